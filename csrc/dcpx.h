@@ -1,0 +1,188 @@
+/* dcpx internal header: the structs shared by the translation units of
+ * the dcpx._C extension, and the functions each one exports to the others.
+ *
+ * Threading rule (see docs/design.md): everything reachable from a
+ * dcpx_wjob / dcpx_rjob while its worker threads run is plain C memory.
+ * Worker threads never touch a PyObject and never take the GIL.  Python
+ * references that keep tensor memory alive are held by the owning Python
+ * object (WriteJob / the caller of read_items) and dropped only after the
+ * workers have been joined.
+ */
+#ifndef DCPX_H
+#define DCPX_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define DCPX_EXPORT __attribute__((visibility("default")))
+
+/* ------------------------------------------------------------------ */
+/* DLPack (https://dmlc.github.io/dlpack/latest/c_api.html), the subset
+ * dcpx consumes.  Field layout must match the spec exactly. */
+enum {
+    DCPX_DL_CPU = 1,
+    DCPX_DL_CUDA = 2,
+    DCPX_DL_CUDA_HOST = 3,
+    DCPX_DL_CUDA_MANAGED = 13,
+};
+
+typedef struct {
+    int32_t device_type;
+    int32_t device_id;
+} DLDevice;
+
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides; /* in elements; NULL means compact row-major */
+    uint64_t byte_offset;
+} DLTensor;
+
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+typedef struct {
+    uint32_t major;
+    uint32_t minor;
+} DLPackVersion;
+
+typedef struct DLManagedTensorVersioned {
+    DLPackVersion version;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensorVersioned *self);
+    uint64_t flags;
+    DLTensor dl_tensor;
+} DLManagedTensorVersioned;
+
+#define DCPX_DLPACK_FLAG_READ_ONLY (1ULL << 0)
+
+/* A tensor taken in through DLPack.  `shape`/`strides` point into the
+ * producer's DLTensor and stay valid until dcpx_view_release().  The
+ * producer's deleter is called exactly once, by dcpx_view_release(). */
+typedef struct {
+    char *data;              /* first element (DLTensor.data + byte_offset) */
+    int ndim;
+    const int64_t *shape;
+    const int64_t *strides;  /* elements; NULL = compact row-major */
+    uint32_t itemsize;       /* bytes per element */
+    uint64_t numel;
+    uint64_t nbytes;         /* numel * itemsize */
+    int device_type;
+    int device_id;
+    int read_only;
+    int contiguous;          /* compact row-major (or numel <= 1) */
+    /* Ownership: exactly one of these is non-NULL while the view is live. */
+    DLManagedTensor *managed;
+    DLManagedTensorVersioned *managed_v;
+} dcpx_view;
+
+/* dlpack.c */
+int dcpx_view_from_object(PyObject *obj, dcpx_view *out, int need_writable);
+void dcpx_view_release(dcpx_view *v);
+/* Copy the view's elements in row-major order, bytes [from, from+len) of the
+ * logical contiguous image, into dst.  Used by workers (no GIL). */
+void dcpx_view_gather(const dcpx_view *v, uint64_t from, uint64_t len,
+                      char *dst);
+
+/* ------------------------------------------------------------------ */
+/* crc32.c: CRC-32 as used by zip (IEEE 802.3, reflected 0xEDB88320). */
+uint32_t dcpx_crc32(uint32_t crc, const void *buf, size_t len);
+/* crc of A||B from crc(A), crc(B) and len(B). */
+uint32_t dcpx_crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+void dcpx_crc32_init(void);
+const char *dcpx_crc32_impl(void);
+
+/* ------------------------------------------------------------------ */
+/* zipwrite.c: one torch.save-compatible archive holding one tensor. */
+#define DCPX_ALIGN 64
+
+typedef struct {
+    char *head;            /* owned (malloc): bytes before the tensor data */
+    size_t head_len;
+    char *tail;            /* owned (malloc): bytes after the tensor data */
+    size_t tail_len;
+    uint64_t data_len;     /* tensor bytes between head and tail */
+    size_t crc_pos_head;   /* where data/0's CRC goes in head */
+    size_t crc_pos_tail;   /* where data/0's CRC goes in the central dir */
+} dcpx_archive;
+
+/* Build head/tail for a tensor of `shape` (ndim dims) stored contiguously.
+ * `storage_type` is the pickle global name torch uses ("FloatStorage",
+ * "uint16", ...).  Returns 0, or -1 with errno set (ENOMEM). */
+int dcpx_archive_build(dcpx_archive *a, const char *storage_type,
+                       const int64_t *shape, int ndim, uint64_t numel,
+                       uint64_t nbytes, uint64_t serial);
+void dcpx_archive_patch_crc(dcpx_archive *a, uint32_t crc);
+void dcpx_archive_free(dcpx_archive *a);
+
+/* ------------------------------------------------------------------ */
+/* zipread.c: validate an archive and find the tensor's bytes. */
+typedef struct {
+    uint64_t data_off;     /* of data/0, relative to the archive start */
+    uint64_t data_len;
+    uint32_t data_crc;
+    int has_crc;           /* the archive recorded a non-zero CRC */
+    /* From data.pkl: */
+    char storage_type[48];
+    uint64_t storage_numel;
+    uint64_t storage_offset;
+    int ndim;
+    int64_t shape[16];
+    int64_t stride[16];
+} dcpx_tensor_record;
+
+enum {
+    DCPX_PARSE_OK = 0,
+    DCPX_PARSE_NEED_MORE = 1, /* the central directory lies outside `tail` */
+    DCPX_PARSE_UNSUPPORTED = 2, /* valid, but not the simple one-storage form */
+    DCPX_PARSE_CORRUPT = 3,
+};
+
+/* Parse the end of an archive of `archive_len` bytes.  `tail` holds its last
+ * `tail_len` bytes.  On DCPX_PARSE_OK fills `*cd_off`/`*cd_len` (central
+ * directory, relative to archive start). */
+int dcpx_zip_find_cd(const unsigned char *tail, size_t tail_len,
+                     uint64_t archive_len, uint64_t *cd_off, uint64_t *cd_len,
+                     const char **why);
+/* Walk the central directory; locate data.pkl and data/0.  Offsets are of the
+ * local headers, relative to archive start. */
+int dcpx_zip_scan_cd(const unsigned char *cd, size_t cd_len,
+                     uint64_t archive_len, uint64_t *pkl_lho,
+                     uint64_t *pkl_len, uint32_t *pkl_crc, uint64_t *data_lho,
+                     uint64_t *data_len, uint32_t *data_crc, const char **why);
+/* Given the bytes at a local header (at least 30 + name + extra), return the
+ * offset of its data relative to the header.  */
+int dcpx_zip_local_data_off(const unsigned char *lh, size_t avail,
+                            uint64_t *data_off, const char **why);
+/* Parse torch's one-tensor data.pkl. */
+int dcpx_pickle_parse_tensor(const unsigned char *p, size_t n,
+                             dcpx_tensor_record *rec, const char **why);
+
+/* ------------------------------------------------------------------ */
+/* Types (writer.c, reader.c) and module plumbing (module.c). */
+typedef struct {
+    PyTypeObject *WriteJob_Type;
+} dcpx_state;
+
+extern PyType_Spec dcpx_writejob_spec;
+PyObject *dcpx_read_items(PyObject *module, PyObject *args, PyObject *kwds);
+PyObject *dcpx_probe_tensor(PyObject *module, PyObject *obj);
+
+/* Turn (errno, what, path) into an OSError naming the file. */
+void dcpx_set_oserror(int err, const char *what, const char *path);
+
+#endif /* DCPX_H */

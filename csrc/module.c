@@ -1,0 +1,248 @@
+/* dcpx._C: module definition (multi-phase init, PEP 489), small entry
+ * points, and the error helper shared by the other translation units. */
+#include "dcpx.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+void dcpx_set_oserror(int err, const char *what, const char *path)
+{
+    char msg[256];
+    PyObject *exc;
+    snprintf(msg, sizeof(msg), "dcpx: %s failed: %s", what, strerror(err));
+    exc = PyObject_CallFunction(PyExc_OSError, "isO&", err, msg,
+                                PyUnicode_DecodeFSDefault, path);
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+}
+
+PyDoc_STRVAR(crc32_doc, "crc32($module, data, value=0, /)\n--\n\n"
+             "CRC-32 of a buffer, as zlib.crc32 computes it.");
+
+static PyObject *dcpx_crc32_py(PyObject *m, PyObject *args)
+{
+    Py_buffer b;
+    unsigned int value = 0;
+    uint32_t crc;
+    (void)m;
+    if (!PyArg_ParseTuple(args, "y*|I:crc32", &b, &value))
+        return NULL;
+    if (b.len > (1 << 16)) {
+        Py_BEGIN_ALLOW_THREADS
+        crc = dcpx_crc32(value, b.buf, (size_t)b.len);
+        Py_END_ALLOW_THREADS
+    }
+    else {
+        crc = dcpx_crc32(value, b.buf, (size_t)b.len);
+    }
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+PyDoc_STRVAR(combine_doc, "crc32_combine($module, crc_a, crc_b, len_b, /)\n--\n\n"
+             "CRC-32 of A+B from crc32(A), crc32(B) and len(B).");
+
+static PyObject *dcpx_combine_py(PyObject *m, PyObject *args)
+{
+    unsigned int a, b;
+    unsigned long long len;
+    (void)m;
+    if (!PyArg_ParseTuple(args, "IIK:crc32_combine", &a, &b, &len))
+        return NULL;
+    return PyLong_FromUnsignedLong(dcpx_crc32_combine(a, b, len));
+}
+
+PyDoc_STRVAR(probe_doc, "probe_tensor($module, tensor, /)\n--\n\n"
+             "Take a tensor through DLPack and describe what dcpx sees.");
+
+PyObject *dcpx_probe_tensor(PyObject *m, PyObject *obj)
+{
+    dcpx_view v;
+    PyObject *shape = NULL, *out = NULL;
+    (void)m;
+    if (dcpx_view_from_object(obj, &v, 0) < 0)
+        return NULL;
+    shape = PyTuple_New(v.ndim);
+    for (int i = 0; shape != NULL && i < v.ndim; i++)
+        PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(v.shape[i]));
+    if (shape != NULL)
+        out = Py_BuildValue("{s:K,s:O,s:I,s:K,s:i,s:i,s:i,s:i}", "ptr",
+                            (unsigned long long)(uintptr_t)v.data, "shape",
+                            shape, "itemsize", v.itemsize, "nbytes", v.nbytes,
+                            "contiguous", v.contiguous, "device_type",
+                            v.device_type, "read_only", v.read_only,
+                            "versioned", v.managed_v != NULL);
+    Py_XDECREF(shape);
+    dcpx_view_release(&v);
+    return out;
+}
+
+PyDoc_STRVAR(gather_doc, "gather_bytes($module, tensor, /)\n--\n\n"
+             "The tensor's bytes in row-major order, as dcpx writes them.");
+
+static PyObject *dcpx_gather_py(PyObject *m, PyObject *obj)
+{
+    dcpx_view v;
+    PyObject *out;
+    (void)m;
+    if (dcpx_view_from_object(obj, &v, 0) < 0)
+        return NULL;
+    if (v.device_type != DCPX_DL_CPU) {
+        dcpx_view_release(&v);
+        PyErr_SetString(PyExc_ValueError, "dcpx: CPU tensor expected");
+        return NULL;
+    }
+    out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)v.nbytes);
+    if (out != NULL && v.nbytes)
+        dcpx_view_gather(&v, 0, v.nbytes, PyBytes_AS_STRING(out));
+    dcpx_view_release(&v);
+    return out;
+}
+
+PyDoc_STRVAR(parse_doc, "parse_archive($module, data, /)\n--\n\n"
+             "Parse a one-tensor torch.save archive held in memory: returns "
+             "a dict (storage_type, numel, shape, stride, data_offset, "
+             "data_length, crc, crc_ok) or raises ValueError.  For tests and "
+             "the fuzzer; the reader uses the same functions.");
+
+static PyObject *dcpx_parse_py(PyObject *m, PyObject *args)
+{
+    Py_buffer b;
+    const char *why = "";
+    uint64_t cd_off, cd_len, pl, plen, dl, dlen, doff, poff;
+    uint32_t pcrc, dcrc;
+    dcpx_tensor_record rec;
+    const unsigned char *p;
+    PyObject *out = NULL, *shape = NULL, *stride = NULL;
+    int rc;
+    (void)m;
+    if (!PyArg_ParseTuple(args, "y*:parse_archive", &b))
+        return NULL;
+    p = b.buf;
+    uint64_t L = (uint64_t)b.len;
+    memset(&rec, 0, sizeof(rec));
+    rc = dcpx_zip_find_cd(p, (size_t)L, L, &cd_off, &cd_len, &why);
+    if (rc == DCPX_PARSE_OK)
+        rc = dcpx_zip_scan_cd(p + cd_off, cd_len, L, &pl, &plen, &pcrc, &dl,
+                              &dlen, &dcrc, &why);
+    if (rc == DCPX_PARSE_OK)
+        rc = dcpx_zip_local_data_off(p + pl, L - pl, &poff, &why);
+    if (rc == DCPX_PARSE_OK && (pl + poff > L || plen > L - pl - poff)) {
+        rc = DCPX_PARSE_CORRUPT;
+        why = "data.pkl outside the archive";
+    }
+    if (rc == DCPX_PARSE_OK)
+        rc = dcpx_pickle_parse_tensor(p + pl + poff, plen, &rec, &why);
+    if (rc == DCPX_PARSE_OK)
+        rc = dcpx_zip_local_data_off(p + dl, L - dl, &doff, &why);
+    if (rc == DCPX_PARSE_OK && (dl + doff > L || dlen > L - dl - doff)) {
+        rc = DCPX_PARSE_CORRUPT;
+        why = "data outside the archive";
+    }
+    if (rc != DCPX_PARSE_OK) {
+        PyErr_Format(PyExc_ValueError, "dcpx: %s archive: %s",
+                     rc == DCPX_PARSE_UNSUPPORTED ? "unsupported" : "corrupt",
+                     why);
+        goto done;
+    }
+    shape = PyTuple_New(rec.ndim);
+    stride = PyTuple_New(rec.ndim);
+    for (int i = 0; shape && stride && i < rec.ndim; i++) {
+        PyTuple_SET_ITEM(shape, i, PyLong_FromLongLong(rec.shape[i]));
+        PyTuple_SET_ITEM(stride, i, PyLong_FromLongLong(rec.stride[i]));
+    }
+    if (shape && stride) {
+        uint32_t crc = dcpx_crc32(0, p + dl + doff, (size_t)dlen);
+        out = Py_BuildValue("{s:s,s:K,s:K,s:O,s:O,s:K,s:K,s:k,s:O}",
+                            "storage_type", rec.storage_type, "numel",
+                            rec.storage_numel, "storage_offset",
+                            rec.storage_offset, "shape", shape, "stride",
+                            stride, "data_offset", dl + doff, "data_length",
+                            dlen, "crc", (unsigned long)dcrc, "crc_ok",
+                            crc == dcrc ? Py_True : Py_False);
+    }
+done:
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    PyBuffer_Release(&b);
+    return out;
+}
+
+PyDoc_STRVAR(read_doc,
+             "read_items($module, paths, items, threads=1, verify=True)\n--\n\n"
+             "Read tensor archives into destination tensors without the GIL.\n"
+             "items: [(file_index, offset, length, dest, storage_type)].\n"
+             "Returns [(item_index, code, errno, message)] for items not "
+             "read (1 fallback, 2 corrupt, 3 I/O, 4 CRC mismatch).");
+
+static PyMethodDef dcpx_methods[] = {
+    {"crc32", dcpx_crc32_py, METH_VARARGS, crc32_doc},
+    {"crc32_combine", dcpx_combine_py, METH_VARARGS, combine_doc},
+    {"probe_tensor", dcpx_probe_tensor, METH_O, probe_doc},
+    {"gather_bytes", dcpx_gather_py, METH_O, gather_doc},
+    {"parse_archive", dcpx_parse_py, METH_VARARGS, parse_doc},
+    {"read_items", (PyCFunction)(void (*)(void))dcpx_read_items,
+     METH_VARARGS | METH_KEYWORDS, read_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int dcpx_exec(PyObject *m)
+{
+    dcpx_state *st = PyModule_GetState(m);
+    dcpx_crc32_init();
+    st->WriteJob_Type = (PyTypeObject *)PyType_FromModuleAndSpec(
+        m, &dcpx_writejob_spec, NULL);
+    if (st->WriteJob_Type == NULL)
+        return -1;
+    if (PyModule_AddType(m, st->WriteJob_Type) < 0)
+        return -1;
+    if (PyModule_AddStringConstant(m, "crc32_impl", dcpx_crc32_impl()) < 0)
+        return -1;
+    if (PyModule_AddIntConstant(m, "ALIGN", DCPX_ALIGN) < 0)
+        return -1;
+    return 0;
+}
+
+static int dcpx_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    dcpx_state *st = PyModule_GetState(m);
+    Py_VISIT(st->WriteJob_Type);
+    return 0;
+}
+
+static int dcpx_clear(PyObject *m)
+{
+    dcpx_state *st = PyModule_GetState(m);
+    Py_CLEAR(st->WriteJob_Type);
+    return 0;
+}
+
+static void dcpx_free(void *m) { dcpx_clear((PyObject *)m); }
+
+static PyModuleDef_Slot dcpx_slots[] = {
+    {Py_mod_exec, dcpx_exec},
+    {0, NULL},
+};
+
+PyDoc_STRVAR(module_doc, "dcpx C core: DLPack ingestion, zip records, "
+                         "CRC-32, and GIL-free writer and reader threads.");
+
+static struct PyModuleDef dcpx_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "dcpx._C",
+    .m_doc = module_doc,
+    .m_size = sizeof(dcpx_state),
+    .m_methods = dcpx_methods,
+    .m_slots = dcpx_slots,
+    .m_traverse = dcpx_traverse,
+    .m_clear = dcpx_clear,
+    .m_free = dcpx_free,
+};
+
+DCPX_EXPORT PyMODINIT_FUNC PyInit__C(void)
+{
+    return PyModuleDef_Init(&dcpx_module);
+}

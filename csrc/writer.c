@@ -1,0 +1,630 @@
+/* WriteJob: write DCP data files from C threads with the GIL released.
+ *
+ *   job = WriteJob(files, sync_files, threads)
+ *       files: [(path, [item, ...]), ...]
+ *       item:  bytes                      a raw "bytes item"
+ *            | (tensor, storage_type)     a tensor, written as a
+ *                                         torch.save archive
+ *   job.layout()  -> [[(offset, length), ...] per file]   (known at once)
+ *   job.start()   starts the threads;  job.wait() joins them (GIL released)
+ *   job.cancel()  asks the threads to stop at the next chunk
+ *
+ * Construction runs with the GIL: tensors are taken through DLPack, every
+ * archive's head and tail is built and the whole layout is fixed, so the
+ * caller can build DCP metadata while the data is still being written.
+ * Worker threads then see only the plain structs below.  Small records are
+ * written with pwritev straight from tensor memory (batched, no bounce copy);
+ * large tensors stream in chunks, each CRC'd just before it is written, so
+ * the bytes are read from memory once for the CRC while still cache-hot for
+ * the kernel's copy.  Non-contiguous tensors are gathered chunk by chunk.
+ */
+#include "dcpx.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define CHUNK ((size_t)4 << 20)        /* streaming unit for large tensors */
+#define SMALL ((uint64_t)1 << 20)      /* tensors up to this go via pwritev */
+#define BATCH_BYTES ((size_t)16 << 20)
+#define BATCH_IOV 1020                 /* < IOV_MAX (1024) */
+
+typedef struct {
+    int is_tensor;
+    /* bytes item: borrowed from a bytes object held in WriteJob.keep */
+    const char *bytes;
+    uint64_t bytes_len;
+    /* tensor item */
+    dcpx_view view;        /* owned: released after join */
+    dcpx_archive arc;      /* owned */
+    /* layout */
+    uint64_t offset;       /* archive start in the file */
+    uint64_t length;
+} witem;
+
+typedef struct {
+    char *path;            /* owned (PyMem_RawMalloc) */
+    witem *items;          /* owned */
+    Py_ssize_t n;
+    /* result, written by the one worker that owns this file */
+    int err;               /* errno, 0 if none */
+    const char *what;      /* failed operation */
+} wfile;
+
+typedef struct {
+    PyObject_HEAD
+    wfile *files;
+    Py_ssize_t nfiles;
+    PyObject *keep;        /* list: bytes objects items borrow from */
+    int sync;
+    int nthreads;
+    pthread_t *tids;
+    int started;           /* threads launched (count) */
+    int joined;
+    atomic_int next_file;
+    atomic_int cancel;
+    atomic_int running;
+    atomic_ullong written; /* bytes written so far, for progress */
+} WriteJob;
+
+static const char zeros[DCPX_ALIGN];
+
+/* ---- worker side: no Python API below this line until the type ---- */
+
+typedef struct {
+    int fd;
+    uint64_t pos;          /* file offset where the batch starts */
+    struct iovec iov[BATCH_IOV + 4];
+    int niov;
+    size_t bytes;
+    void *to_free[BATCH_IOV + 4];
+    int nfree;
+} batch_t;
+
+static int pwrite_all(int fd, const char *p, size_t n, uint64_t off)
+{
+    while (n) {
+        ssize_t w = pwrite(fd, p, n, (off_t)off);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        if (w == 0) {
+            errno = EIO;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+        off += (uint64_t)w;
+    }
+    return 0;
+}
+
+static int batch_flush(batch_t *b)
+{
+    struct iovec *iov = b->iov;
+    int n = b->niov;
+    uint64_t off = b->pos;
+    int rc = 0;
+
+    while (n > 0) {
+        ssize_t w = pwritev(b->fd, iov, n, (off_t)off);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            rc = -1;
+            break;
+        }
+        if (w == 0) {
+            errno = EIO;
+            rc = -1;
+            break;
+        }
+        off += (uint64_t)w;
+        while (n > 0 && (size_t)w >= iov->iov_len) { /* short write */
+            w -= (ssize_t)iov->iov_len;
+            iov++;
+            n--;
+        }
+        if (n > 0) {
+            iov->iov_base = (char *)iov->iov_base + w;
+            iov->iov_len -= (size_t)w;
+        }
+    }
+    for (int i = 0; i < b->nfree; i++)
+        free(b->to_free[i]);
+    b->nfree = 0;
+    b->pos = off;
+    b->niov = 0;
+    b->bytes = 0;
+    return rc;
+}
+
+static void batch_add(batch_t *b, const void *p, size_t n)
+{
+    if (n == 0)
+        return;
+    b->iov[b->niov].iov_base = (void *)p;
+    b->iov[b->niov].iov_len = n;
+    b->niov++;
+    b->bytes += n;
+}
+
+/* Stream one large tensor: data first (CRC per chunk), then its head. */
+static int write_large(WriteJob *job, batch_t *b, witem *it)
+{
+    const dcpx_view *v = &it->view;
+    uint64_t data_off = it->offset + it->arc.head_len;
+    size_t chunk = CHUNK - CHUNK % v->itemsize;
+    char *bounce = NULL;
+    uint32_t crc = 0;
+
+    if (batch_flush(b) < 0)
+        return -1;
+    if (!v->contiguous && (bounce = malloc(chunk)) == NULL)
+        return -1;
+    for (uint64_t done = 0; done < v->nbytes; done += chunk) {
+        size_t n = (size_t)(v->nbytes - done < chunk ? v->nbytes - done : chunk);
+        const char *src = v->data + done;
+        if (atomic_load_explicit(&job->cancel, memory_order_relaxed)) {
+            free(bounce);
+            errno = ECANCELED;
+            return -1;
+        }
+        if (bounce) {
+            dcpx_view_gather(v, done, n, bounce);
+            src = bounce;
+        }
+        crc = dcpx_crc32(crc, src, n);
+        if (pwrite_all(b->fd, src, n, data_off + done) < 0) {
+            free(bounce);
+            return -1;
+        }
+        atomic_fetch_add_explicit(&job->written, n, memory_order_relaxed);
+    }
+    free(bounce);
+    dcpx_archive_patch_crc(&it->arc, crc);
+    if (pwrite_all(b->fd, it->arc.head, it->arc.head_len, it->offset) < 0)
+        return -1;
+    b->pos = data_off + v->nbytes; /* the tail continues the batch */
+    batch_add(b, it->arc.tail, it->arc.tail_len);
+    return 0;
+}
+
+static int write_small(batch_t *b, witem *it)
+{
+    const dcpx_view *v = &it->view;
+    const char *src = v->data;
+
+    if (!v->contiguous && v->nbytes) {
+        char *tmp = malloc(v->nbytes);
+        if (tmp == NULL)
+            return -1;
+        dcpx_view_gather(v, 0, v->nbytes, tmp);
+        b->to_free[b->nfree++] = tmp;
+        src = tmp;
+    }
+    dcpx_archive_patch_crc(&it->arc, dcpx_crc32(0, src, v->nbytes));
+    batch_add(b, it->arc.head, it->arc.head_len);
+    batch_add(b, src, v->nbytes);
+    batch_add(b, it->arc.tail, it->arc.tail_len);
+    return 0;
+}
+
+static int write_file(WriteJob *job, wfile *f)
+{
+    batch_t *b = malloc(sizeof(batch_t));
+    int rc = -1;
+
+    if (b == NULL) {
+        f->err = ENOMEM;
+        f->what = "allocate";
+        return -1;
+    }
+    b->niov = b->nfree = 0;
+    b->pos = 0;
+    b->bytes = 0;
+    b->fd = open(f->path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (b->fd < 0) {
+        f->what = "open";
+        goto out;
+    }
+    f->what = "write";
+    for (Py_ssize_t i = 0; i < f->n; i++) {
+        witem *it = &f->items[i];
+        uint64_t end = b->pos + b->bytes;
+        if (atomic_load_explicit(&job->cancel, memory_order_relaxed)) {
+            errno = ECANCELED;
+            goto out;
+        }
+        batch_add(b, zeros, (size_t)(it->offset - end)); /* alignment gap */
+        if (!it->is_tensor) {
+            batch_add(b, it->bytes, it->bytes_len);
+        }
+        else if (it->view.nbytes > SMALL) {
+            if (write_large(job, b, it) < 0)
+                goto out;
+        }
+        else if (write_small(b, it) < 0) {
+            goto out;
+        }
+        if ((b->niov >= BATCH_IOV || b->bytes >= BATCH_BYTES) &&
+            batch_flush(b) < 0)
+            goto out;
+    }
+    if (batch_flush(b) < 0)
+        goto out;
+    if (job->sync) {
+        f->what = "fsync";
+        if (fsync(b->fd) < 0)
+            goto out;
+    }
+    rc = 0;
+out:
+    if (rc < 0)
+        f->err = errno ? errno : EIO;
+    for (int i = 0; i < b->nfree; i++)
+        free(b->to_free[i]);
+    if (b->fd >= 0 && close(b->fd) < 0 && rc == 0) {
+        f->err = errno;
+        f->what = "close";
+        rc = -1;
+    }
+    free(b);
+    return rc;
+}
+
+static void *worker(void *arg)
+{
+    WriteJob *job = arg;
+    for (;;) {
+        int i = atomic_fetch_add(&job->next_file, 1);
+        if (i >= job->nfiles)
+            break;
+        if (write_file(job, &job->files[i]) < 0)
+            atomic_store(&job->cancel, 1); /* one failure fails the save */
+    }
+    atomic_fetch_sub(&job->running, 1);
+    return NULL;
+}
+
+/* ---- Python type ---- */
+
+static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial)
+{
+    if (PyBytes_Check(obj)) {
+        it->bytes = PyBytes_AS_STRING(obj);
+        it->bytes_len = (uint64_t)PyBytes_GET_SIZE(obj);
+        it->length = it->bytes_len;
+        return PyList_Append(self->keep, obj);
+    }
+    PyObject *tensor;
+    const char *stype;
+    if (!PyTuple_Check(obj) ||
+        !PyArg_ParseTuple(obj, "Os;dcpx: item must be bytes or (tensor, "
+                               "storage_type)", &tensor, &stype))
+        return -1;
+    if (dcpx_view_from_object(tensor, &it->view, 0) < 0)
+        return -1;
+    it->is_tensor = 1;
+    if (it->view.device_type != DCPX_DL_CPU &&
+        it->view.device_type != DCPX_DL_CUDA_HOST) {
+        PyErr_Format(PyExc_ValueError,
+                     "dcpx: tensor memory is not host-accessible (DLPack "
+                     "device %d); stage it to CPU first",
+                     it->view.device_type);
+        return -1;
+    }
+    if (dcpx_archive_build(&it->arc, stype, it->view.shape, it->view.ndim,
+                           it->view.numel, it->view.nbytes, serial) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    it->length = it->arc.head_len + it->view.nbytes + it->arc.tail_len;
+    return 0;
+}
+
+static int add_file(WriteJob *self, wfile *f, PyObject *spec, uint64_t *serial)
+{
+    PyObject *path, *items, *fast;
+    uint64_t off = 0;
+
+    if (!PyArg_ParseTuple(spec, "O&O;dcpx: file must be (path, items)",
+                          PyUnicode_FSConverter, &path, &items))
+        return -1;
+    f->path = PyMem_RawMalloc((size_t)PyBytes_GET_SIZE(path) + 1);
+    if (f->path == NULL) {
+        Py_DECREF(path);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(f->path, PyBytes_AS_STRING(path), (size_t)PyBytes_GET_SIZE(path) + 1);
+    Py_DECREF(path);
+    fast = PySequence_Fast(items, "dcpx: items must be a sequence");
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    f->items = PyMem_RawCalloc((size_t)(n ? n : 1), sizeof(witem));
+    if (f->items == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        witem *it = &f->items[i];
+        f->n = i + 1; /* so that dealloc releases what was taken */
+        if (add_item(self, it, PySequence_Fast_GET_ITEM(fast, i),
+                     (*serial)++) < 0) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        off = (off + DCPX_ALIGN - 1) / DCPX_ALIGN * DCPX_ALIGN;
+        it->offset = off;
+        off += it->length;
+    }
+    Py_DECREF(fast);
+    return 0;
+}
+
+static void release_items(WriteJob *self)
+{
+    for (Py_ssize_t i = 0; i < self->nfiles; i++) {
+        wfile *f = &self->files[i];
+        for (Py_ssize_t j = 0; j < f->n; j++) {
+            dcpx_view_release(&f->items[j].view);
+            dcpx_archive_free(&f->items[j].arc);
+        }
+        PyMem_RawFree(f->items);
+        PyMem_RawFree(f->path);
+    }
+    PyMem_RawFree(self->files);
+    self->files = NULL;
+    self->nfiles = 0;
+}
+
+static void join_threads(WriteJob *self)
+{
+    if (self->joined || !self->started)
+        return;
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < self->started; i++)
+        pthread_join(self->tids[i], NULL);
+    Py_END_ALLOW_THREADS
+    self->joined = 1;
+}
+
+static int WriteJob_init(WriteJob *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"files", "sync_files", "threads", "serial", NULL};
+    PyObject *files, *fast = NULL;
+    int sync = 1, nthreads = 1;
+    unsigned long long serial_arg = 0;
+    uint64_t serial;
+
+    if (self->files != NULL || self->keep != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "dcpx: WriteJob is initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|piK", kwlist, &files,
+                                     &sync, &nthreads, &serial_arg))
+        return -1;
+    serial = serial_arg;
+    if (nthreads < 1 || nthreads > 256) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: threads must be in 1..256");
+        return -1;
+    }
+    self->sync = sync;
+    self->keep = PyList_New(0);
+    fast = PySequence_Fast(files, "dcpx: files must be a sequence");
+    if (self->keep == NULL || fast == NULL)
+        goto fail;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    self->files = PyMem_RawCalloc((size_t)(n ? n : 1), sizeof(wfile));
+    if (self->files == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        self->nfiles = i + 1;
+        if (add_file(self, &self->files[i], PySequence_Fast_GET_ITEM(fast, i),
+                     &serial) < 0)
+            goto fail;
+    }
+    self->nthreads = nthreads < n ? nthreads : (int)(n ? n : 1);
+    Py_DECREF(fast);
+    return 0;
+fail:
+    Py_XDECREF(fast);
+    release_items(self);
+    return -1;
+}
+
+static PyObject *WriteJob_layout(WriteJob *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *out = PyList_New(self->nfiles);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < self->nfiles; i++) {
+        wfile *f = &self->files[i];
+        PyObject *l = PyList_New(f->n);
+        if (l == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, l);
+        for (Py_ssize_t j = 0; j < f->n; j++) {
+            PyObject *t = Py_BuildValue("(KK)", f->items[j].offset,
+                                        f->items[j].length);
+            if (t == NULL) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyList_SET_ITEM(l, j, t);
+        }
+    }
+    return out;
+}
+
+static PyObject *WriteJob_start(WriteJob *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->files == NULL || self->started) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "dcpx: WriteJob already started or not initialised");
+        return NULL;
+    }
+    self->tids = PyMem_RawCalloc((size_t)self->nthreads, sizeof(pthread_t));
+    if (self->tids == NULL)
+        return PyErr_NoMemory();
+    atomic_store(&self->running, self->nthreads);
+    for (int i = 0; i < self->nthreads; i++) {
+        int err = pthread_create(&self->tids[i], NULL, worker, self);
+        if (err != 0) {
+            /* Roll back: stop the ones already running. */
+            atomic_fetch_sub(&self->running, self->nthreads - i);
+            atomic_store(&self->cancel, 1);
+            join_threads(self);
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        self->started = i + 1;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *WriteJob_wait(WriteJob *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->started) {
+        PyErr_SetString(PyExc_RuntimeError, "dcpx: WriteJob not started");
+        return NULL;
+    }
+    join_threads(self);
+    /* Report the first real failure; ECANCELED only follows another one. */
+    wfile *bad = NULL;
+    for (Py_ssize_t i = 0; i < self->nfiles; i++) {
+        wfile *f = &self->files[i];
+        if (f->err && (bad == NULL || bad->err == ECANCELED))
+            bad = f;
+    }
+    if (bad != NULL) {
+        dcpx_set_oserror(bad->err, bad->what, bad->path);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *WriteJob_cancel(WriteJob *self, PyObject *Py_UNUSED(ignored))
+{
+    atomic_store(&self->cancel, 1);
+    Py_RETURN_NONE;
+}
+
+static PyObject *WriteJob_release(WriteJob *self, PyObject *Py_UNUSED(ignored))
+{
+    /* Give tensor memory back to its producers as soon as the data is out. */
+    if (self->started && !self->joined) {
+        PyErr_SetString(PyExc_RuntimeError, "dcpx: WriteJob still running");
+        return NULL;
+    }
+    release_items(self);
+    Py_CLEAR(self->keep);
+    Py_RETURN_NONE;
+}
+
+static PyObject *WriteJob_get_done(WriteJob *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->started && atomic_load(&self->running) == 0);
+}
+
+static PyObject *WriteJob_get_written(WriteJob *self, void *Py_UNUSED(c))
+{
+    return PyLong_FromUnsignedLongLong(atomic_load(&self->written));
+}
+
+static int WriteJob_traverse(WriteJob *self, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(self->keep);
+    return 0;
+}
+
+static int WriteJob_clear(WriteJob *self)
+{
+    /* `keep` holds only bytes objects, which cannot form cycles; clearing
+     * it while threads run would free memory they read, so never do. */
+    if (!self->started || self->joined)
+        Py_CLEAR(self->keep);
+    return 0;
+}
+
+static void WriteJob_dealloc(WriteJob *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    PyObject_GC_UnTrack(self);
+    if (self->started && !self->joined) {
+        atomic_store(&self->cancel, 1);
+        join_threads(self);
+    }
+    release_items(self);
+    Py_CLEAR(self->keep);
+    PyMem_RawFree(self->tids);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+PyDoc_STRVAR(layout_doc, "layout($self, /)\n--\n\n"
+             "[[(offset, length), ...] per file]: where each item lands.");
+PyDoc_STRVAR(start_doc, "start($self, /)\n--\n\nStart the writer threads.");
+PyDoc_STRVAR(wait_doc, "wait($self, /)\n--\n\n"
+             "Join the writer threads with the GIL released; raise OSError "
+             "naming the file on failure.");
+PyDoc_STRVAR(cancel_doc, "cancel($self, /)\n--\n\n"
+             "Ask the writer threads to stop at the next chunk.");
+PyDoc_STRVAR(release_doc, "release($self, /)\n--\n\n"
+             "Drop the references to the source tensors (after wait()).");
+
+static PyMethodDef WriteJob_methods[] = {
+    {"layout", (PyCFunction)WriteJob_layout, METH_NOARGS, layout_doc},
+    {"start", (PyCFunction)WriteJob_start, METH_NOARGS, start_doc},
+    {"wait", (PyCFunction)WriteJob_wait, METH_NOARGS, wait_doc},
+    {"cancel", (PyCFunction)WriteJob_cancel, METH_NOARGS, cancel_doc},
+    {"release", (PyCFunction)WriteJob_release, METH_NOARGS, release_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef WriteJob_getset[] = {
+    {"done", (getter)WriteJob_get_done, NULL, "all threads have finished", NULL},
+    {"bytes_written", (getter)WriteJob_get_written, NULL,
+     "tensor bytes written so far", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(WriteJob_doc,
+             "WriteJob(files, sync_files=True, threads=1, serial=0)\n--\n\n"
+             "Write DCP data files from C threads without the GIL.");
+
+static PyType_Slot WriteJob_slots[] = {
+    {Py_tp_doc, (void *)WriteJob_doc},
+    {Py_tp_init, WriteJob_init},
+    {Py_tp_new, PyType_GenericNew},
+    {Py_tp_dealloc, WriteJob_dealloc},
+    {Py_tp_traverse, WriteJob_traverse},
+    {Py_tp_clear, WriteJob_clear},
+    {Py_tp_methods, WriteJob_methods},
+    {Py_tp_getset, WriteJob_getset},
+    {0, NULL},
+};
+
+PyType_Spec dcpx_writejob_spec = {
+    .name = "dcpx._C.WriteJob",
+    .basicsize = sizeof(WriteJob),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = WriteJob_slots,
+};
