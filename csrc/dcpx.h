@@ -138,8 +138,9 @@ typedef struct {
     int has_crc;           /* the archive recorded a non-zero CRC */
     /* From data.pkl: */
     char storage_type[48];
-    uint64_t storage_numel;
-    uint64_t storage_offset;
+    uint64_t storage_numel;  /* elements, or bytes if numel_in_bytes */
+    int numel_in_bytes;      /* UntypedStorage (_rebuild_tensor_v3) */
+    uint64_t storage_offset; /* elements */
     int ndim;
     int64_t shape[16];
     int64_t stride[16];

@@ -156,9 +156,10 @@ static PyObject *dcpx_parse_py(PyObject *m, PyObject *args)
     }
     if (shape && stride) {
         uint32_t crc = dcpx_crc32(0, p + dl + doff, (size_t)dlen);
-        out = Py_BuildValue("{s:s,s:K,s:K,s:O,s:O,s:K,s:K,s:k,s:O}",
+        out = Py_BuildValue("{s:s,s:K,s:i,s:K,s:O,s:O,s:K,s:K,s:k,s:O}",
                             "storage_type", rec.storage_type, "numel",
-                            rec.storage_numel, "storage_offset",
+                            rec.storage_numel, "numel_in_bytes",
+                            rec.numel_in_bytes, "storage_offset",
                             rec.storage_offset, "shape", shape, "stride",
                             stride, "data_offset", dl + doff, "data_length",
                             dlen, "crc", (unsigned long)dcrc, "crc_ok",

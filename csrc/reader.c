@@ -136,7 +136,10 @@ static int check_record(ritem *it, const dcpx_tensor_record *rec)
         expect *= rec->shape[i] > 1 ? rec->shape[i] : 1;
         numel *= (uint64_t)rec->shape[i];
     }
-    if (rec->storage_offset != 0 || rec->storage_numel != numel)
+    uint64_t storage_numel = rec->storage_numel;
+    if (rec->numel_in_bytes)
+        storage_numel /= d->itemsize ? d->itemsize : 1;
+    if (rec->storage_offset != 0 || storage_numel != numel)
         return fail(it, RD_FALLBACK, 0, "saved tensor is a view of a larger "
                                        "storage");
     return 0;

@@ -255,24 +255,36 @@ static int do_reduce(pm *m, dcpx_tensor_record *rec, const char **why)
         res.kind = V_ODICT;
         return push(m, res);
     }
-    if (!str_is(&fn, "torch._utils\n_rebuild_tensor_v2") || args.count != 6) {
-        *why = "pickle calls something other than _rebuild_tensor_v2";
+    int v3 = str_is(&fn, "torch._utils\n_rebuild_tensor_v3");
+    if (!(v3 ? args.count == 7
+             : str_is(&fn, "torch._utils\n_rebuild_tensor_v2") &&
+                   args.count == 6)) {
+        *why = "pickle calls something other than _rebuild_tensor_v2/v3";
         return -1;
     }
     const pv *a = &m->pool[args.first];
     if (a[0].kind != V_PERSID || a[1].kind != V_INT || a[4].kind != V_BOOL ||
         a[5].kind != V_ODICT)
         return -1;
-    /* persistent id: ('storage', torch.<Type>, key, location, numel) */
+    /* persistent id: ('storage', <storage type>, key, location, numel) */
     const pv *p = &m->pool[a[0].first];
     if (a[0].count != 5 || !str_is(&p[0], "storage") ||
         p[1].kind != V_GLOBAL || !str_is(&p[2], "0") || p[4].kind != V_INT ||
-        p[4].i < 0 || p[1].slen < 7 || memcmp(p[1].s, "torch\n", 6) != 0 ||
-        p[1].slen - 6 >= sizeof(rec->storage_type))
+        p[4].i < 0)
         return -1;
-    memcpy(rec->storage_type, p[1].s + 6, p[1].slen - 6);
-    rec->storage_type[p[1].slen - 6] = 0;
+    /* The dtype: the typed storage's class name (v2), or the dtype global
+     * passed as the 7th argument next to an UntypedStorage (v3). */
+    const pv *name = v3 ? &a[6] : &p[1];
+    if (v3 && !str_is(&p[1], "torch.storage\nUntypedStorage"))
+        return -1;
+    if (name->kind != V_GLOBAL || name->slen < 7 ||
+        memcmp(name->s, "torch\n", 6) != 0 ||
+        name->slen - 6 >= sizeof(rec->storage_type))
+        return -1;
+    memcpy(rec->storage_type, name->s + 6, name->slen - 6);
+    rec->storage_type[name->slen - 6] = 0;
     rec->storage_numel = (uint64_t)p[4].i;
+    rec->numel_in_bytes = v3;
     if (a[1].i < 0)
         return -1;
     rec->storage_offset = (uint64_t)a[1].i;

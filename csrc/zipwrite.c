@@ -131,26 +131,48 @@ static void pk_tuple(buf_t *b, const int64_t *v, int n)
         put8(b, 't');
 }
 
+/* Two forms, as torch.save writes them (torch/_tensor.py, _reduce_ex_internal):
+ *  legacy dtypes: _rebuild_tensor_v2(('storage', torch.FloatStorage, '0',
+ *                 'cpu', numel), offset, size, stride, requires_grad, hooks)
+ *  newer dtypes:  _rebuild_tensor_v3(('storage', torch.storage.UntypedStorage,
+ *                 '0', 'cpu', nbytes), offset, size, stride, requires_grad,
+ *                 hooks, torch.<dtype>)
+ * `storage_type` names the first form when it ends in "Storage", else it is
+ * the dtype's name and selects the second. */
+static int is_legacy(const char *storage_type)
+{
+    size_t n = strlen(storage_type);
+    return n > 7 && strcmp(storage_type + n - 7, "Storage") == 0;
+}
+
 static void build_pickle(buf_t *b, const char *storage_type,
-                         const int64_t *shape, int ndim, uint64_t numel)
+                         const int64_t *shape, int ndim, uint64_t numel,
+                         uint64_t nbytes)
 {
     int64_t stride[64];
     int64_t s = 1;
+    int legacy = is_legacy(storage_type);
     for (int i = ndim - 1; i >= 0; i--) { /* torch's contiguous strides */
         stride[i] = s;
         s *= shape[i] > 1 ? shape[i] : 1;
     }
     put(b, "\x80\x02", 2);
-    puts_(b, "ctorch._utils\n_rebuild_tensor_v2\n");
+    puts_(b, legacy ? "ctorch._utils\n_rebuild_tensor_v2\n"
+                    : "ctorch._utils\n_rebuild_tensor_v3\n");
     put8(b, '(');
     put8(b, '(');
     pk_str(b, "storage");
-    puts_(b, "ctorch\n");
-    puts_(b, storage_type);
-    put8(b, '\n');
+    if (legacy) {
+        puts_(b, "ctorch\n");
+        puts_(b, storage_type);
+        put8(b, '\n');
+    }
+    else {
+        puts_(b, "ctorch.storage\nUntypedStorage\n");
+    }
     pk_str(b, "0");
     pk_str(b, "cpu");
-    pk_int(b, numel);
+    pk_int(b, legacy ? numel : nbytes);
     put8(b, 't');
     put8(b, 'Q'); /* BINPERSID */
     pk_int(b, 0); /* storage_offset */
@@ -160,6 +182,11 @@ static void build_pickle(buf_t *b, const char *storage_type,
     puts_(b, "ccollections\nOrderedDict\n");
     put8(b, ')');
     put8(b, 'R');
+    if (!legacy) {
+        puts_(b, "ctorch\n");
+        puts_(b, storage_type);
+        put8(b, '\n');
+    }
     put8(b, 't');
     put8(b, 'R');
     put8(b, '.');
@@ -300,7 +327,7 @@ int dcpx_archive_build(dcpx_archive *a, const char *storage_type,
 
     memset(a, 0, sizeof(*a));
     snprintf(sid, sizeof(sid), "%040llu", (unsigned long long)serial);
-    build_pickle(&pk, storage_type, shape, ndim, numel);
+    build_pickle(&pk, storage_type, shape, ndim, numel, nbytes);
     if (pk.oom)
         goto oom;
     r[0].size = pk.len;

@@ -1,0 +1,407 @@
+#!/usr/bin/env python3
+"""I/O benchmark: dcpx vs torch.distributed.checkpoint vs the machine's limits.
+
+For (a) a few large tensors and (b) many small tensors, measures in one run:
+memcpy / sequential write+fsync / sequential read of the same byte count with
+plain Python (the "limits"), then torch DCP and dcpx save + load (each load is
+verified against the source).  Prints a table and writes JSON + Markdown.
+See benchmarks/README.md.
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import resource
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import torch
+
+CHUNK = 64 << 20          # bytes per os.write / readv call in the limit measurements
+PACK_BELOW = 1 << 20      # tensors smaller than this are packed into one buffer for the limits
+GB = 1e9                  # throughputs are decimal GB/s
+
+
+# ----------------------------------------------------------------- state dicts
+def make_large(gib, n=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    numel = max(1024, int(gib * 2**30 / n / 4)) // 1024 * 1024
+    return {f"layers.{i}.weight": torch.randn(numel // 1024, 1024, generator=g) for i in range(n)}
+
+
+def make_small(count, seed=1):
+    """Mixed 1-D / 2-D fp32 tensors of 64..4096 elements, like biases, norms, tiny projections."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    kinds = ["norm.weight", "norm.bias", "proj.bias", "gate.weight"]
+    sd = {}
+    for i in range(count):
+        if rng.random() < 0.6:
+            shape = (int(rng.integers(64, 4097)),)
+        else:
+            shape = (int(rng.integers(2, 65)), int(rng.integers(32, 65)))
+        sd[f"blocks.{i // 4}.{kinds[i % 4]}"] = torch.randn(shape, generator=g)
+    return sd
+
+
+def empty_like_sd(sd):
+    return {k: torch.empty_like(v) for k, v in sd.items()}
+
+
+def nbytes(sd):
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def verify(expected, got, what):
+    if expected.keys() != got.keys():
+        raise RuntimeError(f"{what}: key mismatch after load")
+    for k, t in expected.items():
+        if not torch.equal(t, got[k]):
+            raise RuntimeError(f"{what}: tensor {k!r} differs from the original after load")
+
+
+# ------------------------------------------------------------------- helpers
+def drop_caches():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def quiesce():
+    """Untimed: collect garbage and flush unrelated dirty pages before a timed op."""
+    gc.collect()
+    os.sync()
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def as_bytes(t):
+    return memoryview(t.numpy()).cast("B")
+
+
+def limit_buffers(sd, dst_sd):
+    """(src, dst) byte buffers covering the same bytes: big tensors as-is, small ones packed."""
+    small = [k for k, t in sd.items() if t.numel() * t.element_size() < PACK_BELOW]
+    src = [sd[k] for k in sd if k not in set(small)]
+    dst = [dst_sd[k] for k in sd if k not in set(small)]
+    if small:
+        src.append(torch.cat([sd[k].reshape(-1) for k in small]))
+        dst.append(torch.empty_like(src[-1]))
+    for t in dst:
+        t.fill_(0)  # pre-fault
+    return src, dst
+
+
+def rm(path):
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def du(path):
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+# ------------------------------------------------------------ limit measures
+def limit_memcpy(src, dst):
+    for s, d in zip(src, dst):
+        np.copyto(d.numpy(), s.numpy())
+
+
+def limit_write(src, path):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in src:
+            mv = as_bytes(t)
+            off = 0
+            while off < len(mv):
+                off += os.write(fd, mv[off:off + CHUNK])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def limit_read(path, dst):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for t in dst:
+            mv = as_bytes(t)
+            off = 0
+            while off < len(mv):
+                n = os.readv(fd, [mv[off:off + CHUNK]])
+                if n == 0:
+                    raise RuntimeError("limit read: short file")
+                off += n
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------- checkpoint libs
+def ckpt_save(mod, sd, path, thread_count):
+    if thread_count is None:
+        mod.save(sd, checkpoint_id=path, no_dist=True)
+    else:
+        writer = mod.FileSystemWriter(path, thread_count=thread_count)
+        mod.save(sd, checkpoint_id=path, storage_writer=writer, no_dist=True)
+
+
+def ckpt_load(mod, sd, path):
+    mod.load(sd, checkpoint_id=path, no_dist=True)
+
+
+def load_dcpx():
+    try:
+        import dcpx
+        for name in ("save", "load", "FileSystemWriter", "FileSystemReader"):
+            getattr(dcpx, name)
+        return dcpx, None
+    except Exception as e:  # not built / not finished yet: benchmark torch only
+        return None, f"{type(e).__name__}: {e}"
+
+
+# ------------------------------------------------------------------ the runs
+def run_case(name, sd, libs, args, workdir):
+    size = nbytes(sd)
+    dst = empty_like_sd(sd)
+    src_bufs, dst_bufs = limit_buffers(sd, dst)
+    times = {op: [] for op in ["limit memcpy", "limit write+fsync", "limit read"]
+             + [f"{lib} {op}" for lib in libs for op in ("save", "load")]}
+    disk = {}
+    limit_file = os.path.join(workdir, "limit.bin")
+    for r in range(args.repeat):
+        # machine limits over the same byte count
+        quiesce()
+        times["limit memcpy"].append(timed(lambda: limit_memcpy(src_bufs, dst_bufs)))
+        for t in dst_bufs:
+            t.fill_(0)
+        rm(limit_file)
+        quiesce()
+        times["limit write+fsync"].append(timed(lambda: limit_write(src_bufs, limit_file)))
+        quiesce()
+        if args.drop_caches:
+            drop_caches()
+        times["limit read"].append(timed(lambda: limit_read(limit_file, dst_bufs)))
+        for s, d in zip(src_bufs, dst_bufs):
+            if not torch.equal(s, d):
+                raise RuntimeError("limit read returned wrong bytes")
+        rm(limit_file)
+        # checkpoint libraries, interleaved per repeat so drift hits all alike
+        for lib, mod in libs.items():
+            path = os.path.join(workdir, f"{name}-{lib}")
+            rm(path)
+            quiesce()
+            times[f"{lib} save"].append(timed(lambda: ckpt_save(mod, sd, path, args.thread_count)))
+            disk[lib] = du(path)
+            for t in dst.values():
+                t.zero_()
+            quiesce()
+            if args.drop_caches:
+                drop_caches()
+            times[f"{lib} load"].append(timed(lambda: ckpt_load(mod, dst, path)))
+            verify(sd, dst, f"{lib} load ({name}, repeat {r})")
+            rm(path)
+        print(f"  [{name}] repeat {r + 1}/{args.repeat} done", file=sys.stderr, flush=True)
+    ops = {op: {"times_s": ts, "median_s": statistics.median(ts), "min_s": min(ts),
+                "gbps_median": size / GB / statistics.median(ts)} for op, ts in times.items()}
+    return {"n_tensors": len(sd), "bytes": size, "ops": ops,
+            "disk_bytes": disk, "ratios": ratios(name, ops)}
+
+
+def ratios(name, ops):
+    """(label, value, target, met) rows; value None when an operand is missing."""
+    def med(op):
+        return ops[op]["median_s"] if op in ops else None
+
+    def div(a, b):
+        return a / b if a is not None and b is not None else None
+
+    rows = [
+        ("dcpx save thrpt / write limit", div(med("limit write+fsync"), med("dcpx save")),
+         0.9 if name == "large" else None),
+        ("dcpx load thrpt / read limit", div(med("limit read"), med("dcpx load")),
+         0.9 if name == "large" else None),
+        ("torch save thrpt / write limit", div(med("limit write+fsync"), med("torch save")), None),
+        ("torch load thrpt / read limit", div(med("limit read"), med("torch load")), None),
+        ("save speedup dcpx vs torch", div(med("torch save"), med("dcpx save")),
+         5.0 if name == "small" else None),
+        ("load speedup dcpx vs torch", div(med("torch load"), med("dcpx load")),
+         5.0 if name == "small" else None),
+    ]
+    return [{"label": l, "value": v, "target": tg,
+             "met": None if tg is None or v is None else v >= tg} for l, v, tg in rows]
+
+
+# ------------------------------------------------------------------- report
+def machine_info(workdir, dcpx_mod, dcpx_err):
+    def first(path, key):
+        try:
+            with open(path) as f:
+                return next((l.split(":", 1)[1].strip() for l in f if l.startswith(key)), "?")
+        except OSError:
+            return "?"
+
+    real, fs = os.path.realpath(workdir), ("?", "?", "?")
+    with open("/proc/mounts") as f:
+        for dev, mnt, typ, *_ in (l.split() for l in f):
+            if (real + "/").startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(fs[1]):
+                fs = (dev, mnt, typ)
+    try:
+        git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        git = "?"
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "cpu": first("/proc/cpuinfo", "model name"), "cores": os.cpu_count(),
+        "ram": first("/proc/meminfo", "MemTotal"),
+        "bench_dir": real, "fs_type": fs[2], "fs_device": fs[0], "fs_mount": fs[1],
+        "kernel": platform.release(), "python": platform.python_version(),
+        "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(),
+        "dcpx": getattr(dcpx_mod, "__version__", "unknown") if dcpx_mod else f"not available ({dcpx_err})",
+        "git": git or "?",
+    }
+
+
+def fmt_ratio(r):
+    v = "n/a" if r["value"] is None else f"{r['value']:.2f}x"
+    if r["target"] is None:
+        return v, "", ""
+    status = "n/a" if r["met"] is None else ("MET" if r["met"] else "NOT MET")
+    return v, f">= {r['target']:.1f}x", status
+
+
+def render(results, meta, md):
+    def table(header, rows):
+        if md:
+            out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            return out + ["| " + " | ".join(r) + " |" for r in rows]
+        w = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+        line = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w)).rstrip()
+        return [line(header), line(["-" * n for n in w])] + [line(r) for r in rows]
+
+    out = []
+    h = (lambda s, lvl: ("#" * lvl + " " + s) if md else f"== {s} ==")
+    out.append(h("dcpx I/O benchmark", 1))
+    out.append("")
+    out.append(("`" if md else "") + meta["command"] + ("`" if md else ""))
+    out.append("")
+    keys = ["date", "hostname", "cpu", "cores", "ram", "bench_dir", "fs_type", "fs_device", "kernel",
+            "python", "torch", "numpy", "torch_threads", "dcpx", "git", "read_mode", "thread_count",
+            "repeat", "peak_rss_gib"]
+    out += table(["machine / setting", "value"], [[k, str(meta.get(k))] for k in keys])
+    for name, res in results.items():
+        out += ["", h(f"({'a' if name == 'large' else 'b'}) {name}: {res['n_tensors']} tensors, "
+                      f"{res['bytes'] / 2**20:.1f} MiB", 2), ""]
+        rows = []
+        for op, o in res["ops"].items():
+            lib = op.split()[0]
+            d = res["disk_bytes"].get(lib) if op.endswith("save") else None
+            rows.append([op, f"{o['median_s']:.3f}", f"{o['min_s']:.3f}", f"{o['gbps_median']:.2f}",
+                         "" if d is None else f"{d / 2**20:.1f}"])
+        out += table(["operation", "median s", "min s", "GB/s (median)", "on-disk MiB"], rows)
+        out.append("")
+        out += table(["ratio (medians)", "value", "target", "status"],
+                     [[r["label"], *fmt_ratio(r)] for r in res["ratios"]])
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dir", help="parent dir for checkpoints (a fresh subdir is made and removed); "
+                                 "default: the system temp dir")
+    p.add_argument("--which", choices=["large", "small", "both"], default="both")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--gib", type=float, default=2.0, help="size of the large state dict (16 tensors)")
+    p.add_argument("--small-count", type=int, default=20000)
+    p.add_argument("--thread-count", type=int, default=None,
+                   help="pass FileSystemWriter(path, thread_count=N) to both libraries "
+                        "(default: plain checkpoint_id=, i.e. the writers' defaults)")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="drop the page cache before every read/load measurement (needs root)")
+    p.add_argument("--no-dcpx", action="store_true", help="benchmark torch DCP and the limits only")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 64 MiB, 2000 small tensors, 1 repeat")
+    p.add_argument("--out", help="results path prefix (default: benchmarks/results/io_<host>[_quick])")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.gib, args.small_count, args.repeat = 1 / 16, 2000, 1
+    if args.repeat < 1:
+        p.error("--repeat must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", module=r"torch\.distributed")
+    if args.drop_caches:
+        try:
+            drop_caches()
+        except OSError as e:
+            sys.exit(f"--drop-caches: cannot write /proc/sys/vm/drop_caches ({e}); run as root")
+    import torch.distributed.checkpoint as tdcp
+    libs = {"torch": tdcp}
+    dcpx_mod, dcpx_err = (None, "--no-dcpx given") if args.no_dcpx else load_dcpx()
+    if dcpx_mod:
+        libs["dcpx"] = dcpx_mod
+    else:
+        print(f"NOTE: dcpx skipped: {dcpx_err}", file=sys.stderr)
+
+    workdir = tempfile.mkdtemp(prefix="dcpx-bench-", dir=args.dir)
+    env = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in ("PYTHONPATH",) if k in os.environ)
+    meta = machine_info(workdir, dcpx_mod, dcpx_err)
+    meta.update(command=(env + " " if env else "") + shlex.join(["python"] + sys.argv),
+                cwd=os.getcwd(), read_mode="cold (page cache dropped before each read)"
+                if args.drop_caches else "warm (page cache NOT dropped; reads come from RAM)",
+                thread_count=args.thread_count if args.thread_count is not None else "default",
+                repeat=args.repeat, args=vars(args))
+    results = {}
+    try:
+        for name in (["large", "small"] if args.which == "both" else [args.which]):
+            print(f"building {name} state dict ...", file=sys.stderr, flush=True)
+            sd = make_large(args.gib) if name == "large" else make_small(args.small_count)
+            results[name] = run_case(name, sd, libs, args, workdir)
+            del sd
+            gc.collect()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    meta["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+
+    print(render(results, meta, md=False))
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in socket.gethostname()) or "local"
+    prefix = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                      f"io_{host}" + ("_quick" if args.quick else ""))
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    with open(prefix + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+    with open(prefix + ".md", "w") as f:
+        f.write(render(results, meta, md=True))
+    print(f"wrote {prefix}.json and {prefix}.md", file=sys.stderr)
+    failed = [r["label"] for res in results.values() for r in res["ratios"] if r["met"] is False]
+    if failed:
+        print("targets not met: " + "; ".join(failed), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

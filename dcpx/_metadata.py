@@ -1,0 +1,153 @@
+"""The ``.metadata`` file: building it quickly, writing it with an integrity
+trailer, and reading it without running code from the checkpoint.
+
+The file is ``pickle.dump(Metadata)`` exactly as torch's FileSystemWriter
+writes it, so ``torch.distributed.checkpoint.load`` reads it.  dcpx appends a
+trailer after the pickle's STOP opcode (``pickle.load`` stops there and never
+sees it)::
+
+    b"DCPXMD1\\0" + u32 crc32(pickle bytes) + u64 len(pickle bytes)
+
+so a flipped byte in the metadata is caught on load.  Files without the
+trailer (written by torch) are read as they are.
+
+Reading uses an Unpickler whose ``find_class`` admits only the classes that
+DCP metadata is made of (torch's metadata dataclasses, ``torch.Size``,
+dtypes, layouts, paths and plain containers); anything else, e.g. a crafted
+``os.system`` reduce, raises UnsafeCheckpointError before it is called.
+"""
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+import struct
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as _md
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from . import _C
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
+
+METADATA_FN = ".metadata"
+_TRAILER_MAGIC = b"DCPXMD1\0"
+_TRAILER = struct.Struct("<8sIQ")
+
+# --- building ---------------------------------------------------------------
+
+_PROPS: dict = {}
+_ZERO_OFFSETS: dict = {}
+
+
+def tensor_properties(t: torch.Tensor, pinned: bool) -> _md.TensorProperties:
+    """Shared TensorProperties per (dtype, requires_grad, pinned): the pickle
+    then stores each distinct one once, which makes the metadata of a
+    20,000-tensor checkpoint several times cheaper to write and read."""
+    key = (t.dtype, t.requires_grad, pinned)
+    p = _PROPS.get(key)
+    if p is None:
+        p = _md.TensorProperties(dtype=t.dtype, layout=torch.strided,
+                                 requires_grad=t.requires_grad,
+                                 memory_format=torch.contiguous_format,
+                                 pin_memory=pinned)
+        _PROPS[key] = p
+    return p
+
+
+def zero_offsets(ndim: int) -> torch.Size:
+    z = _ZERO_OFFSETS.get(ndim)
+    if z is None:
+        z = _ZERO_OFFSETS[ndim] = torch.Size([0] * ndim)
+    return z
+
+
+def tensor_metadata(t: torch.Tensor, pinned: bool) -> _md.TensorStorageMetadata:
+    """Metadata of a whole (unsharded) tensor saved as one chunk."""
+    size = t.size()
+    chunk = _md.ChunkStorageMetadata(offsets=zero_offsets(len(size)), sizes=size)
+    return _md.TensorStorageMetadata(properties=tensor_properties(t, pinned),
+                                     size=size, chunks=[chunk])
+
+
+def dumps(metadata: _md.Metadata) -> bytes:
+    body = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL
+                        if pickle.HIGHEST_PROTOCOL <= 5 else 5)
+    return body + _TRAILER.pack(_TRAILER_MAGIC, _C.crc32(body), len(body))
+
+
+# --- reading ----------------------------------------------------------------
+
+def _allowed() -> dict:
+    allow = {
+        ("torch", "Size"): torch.Size,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+        ("pathlib", "PosixPath"): pathlib.PosixPath,
+        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+        ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
+        ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+        ("builtins", "set"): set,
+        ("builtins", "frozenset"): frozenset,
+        ("builtins", "slice"): slice,
+    }
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                 "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                 "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        if hasattr(_md, name):
+            allow[("torch.distributed.checkpoint.metadata", name)] = getattr(_md, name)
+    for name in dir(torch):
+        obj = getattr(torch, name, None)
+        if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+            allow[("torch", name)] = obj
+    return allow
+
+
+_ALLOWED: dict | None = None
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickler that resolves only allow-listed globals."""
+
+    def __init__(self, f, what: str):
+        super().__init__(f)
+        self._what = what
+
+    def find_class(self, module: str, name: str) -> Any:
+        global _ALLOWED
+        if _ALLOWED is None:
+            _ALLOWED = _allowed()
+        obj = _ALLOWED.get((module, name))
+        if obj is None:
+            raise UnsafeCheckpointError(
+                f"{self._what}: refusing to load global {module}.{name}: it "
+                f"is not a DCP metadata type (the file may be crafted to run "
+                f"code)")
+        return obj
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(f"{self._what}: unexpected persistent id")
+
+
+def loads(data: bytes, path: str) -> _md.Metadata:
+    """Parse a .metadata file's bytes; verify dcpx's trailer when present."""
+    body = data
+    if len(data) >= _TRAILER.size and data[-_TRAILER.size:-_TRAILER.size + 8] == _TRAILER_MAGIC:
+        _, crc, n = _TRAILER.unpack(data[-_TRAILER.size:])
+        body = data[:-_TRAILER.size]
+        if n != len(body) or _C.crc32(body) != crc:
+            raise CorruptCheckpointError(
+                f"{path}: metadata checksum mismatch (the file is corrupted)")
+    try:
+        md = SafeUnpickler(io.BytesIO(body), path).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as e:
+        raise CorruptCheckpointError(f"{path}: cannot parse metadata: {e!r}") from e
+    if not isinstance(md, _md.Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise CorruptCheckpointError(f"{path}: file does not hold DCP Metadata")
+    if not isinstance(md.storage_data, dict):
+        raise CorruptCheckpointError(f"{path}: metadata has no storage_data")
+    return md

@@ -1,0 +1,31 @@
+"""Exceptions raised by dcpx.
+
+Every error names the checkpoint path and, where one is involved, the
+state-dict key (fully qualified name) and the data file.
+"""
+
+__all__ = [
+    "CheckpointError",
+    "IncompleteCheckpointError",
+    "CorruptCheckpointError",
+    "UnsafeCheckpointError",
+]
+
+
+class CheckpointError(RuntimeError):
+    """Base class of dcpx's checkpoint errors."""
+
+
+class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory has no committed metadata: it does not exist,
+    was never finished, or its save was interrupted before the commit."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Checkpoint bytes are inconsistent: a CRC-32 mismatch, a truncated or
+    malformed record, or metadata that contradicts the data files."""
+
+
+class UnsafeCheckpointError(CorruptCheckpointError):
+    """A pickle in the checkpoint asks for something outside dcpx's
+    allow-list (it could run code); it was not loaded."""

@@ -1,0 +1,593 @@
+"""FileSystemWriter / FileSystemReader: torch's StorageWriter / StorageReader
+protocols, backed by dcpx's C core.
+
+They plug into torch's own ``dcp.save`` / ``dcp.load`` machinery (process
+groups, DTensor planners, resharding), and dcpx's single-process fast path
+(``dcpx._api``) calls the same pieces directly without torch's planners.
+
+Commit protocol (docs/format.md has the full argument):
+
+1. Data files are written under names no committed ``.metadata`` refers to:
+   ``__{rank}_{i}.distcp`` in a fresh directory, ``__{rank}_{tag}_{i}.distcp``
+   (``tag`` new per save) when a committed checkpoint is already there.
+2. Each data file is fsynced (``sync_files``), then the directory.
+3. ``.metadata`` is written to a temporary name, fsynced, and renamed over
+   the old one (atomic), then the directory is fsynced.
+4. Only then are data files that the new metadata does not reference
+   deleted.
+
+A crash before step 3 leaves the previous checkpoint (or none) intact; after
+it, the new one is complete.  There is never a ``.metadata`` that points at
+rewritten or partial data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import io
+import os
+import re
+import uuid
+from concurrent.futures import Future as _PyFuture
+from pathlib import Path
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import _C, _metadata
+from ._dtypes import dlpack_view, storage_type_name
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+
+__all__ = ["FileSystemWriter", "FileSystemReader"]
+
+DCP_VERSION = "1.0.0"
+_DATA_FILE = re.compile(r"^__\d+_.*\.distcp$")
+_TMP_METADATA = re.compile(r"^(__\d+)?\.metadata\.tmp")
+
+
+def _fsync_dir(path: Union[str, Path]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _check_dir(path: Path, create: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(
+            20, f"dcpx: checkpoint path exists and is not a directory", str(path))
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+
+
+def tensor_payload(t: torch.Tensor, key: str) -> tuple:
+    """(tensor, storage type) for the C writer, or a clear error naming key."""
+    if t.layout != torch.strided:
+        raise TypeError(f"dcpx: cannot save {key!r}: {t.layout} tensors are not "
+                        f"supported (convert with .to_dense())")
+    if t.is_nested:
+        raise TypeError(f"dcpx: cannot save {key!r}: nested tensors are not supported")
+    if t.is_quantized:
+        raise TypeError(f"dcpx: cannot save {key!r}: quantized tensors are not supported")
+    if t.device.type == "meta":
+        raise ValueError(f"dcpx: cannot save {key!r}: it is on the meta device "
+                         f"and has no data")
+    try:
+        stype = storage_type_name(t.dtype)
+    except TypeError as e:
+        raise TypeError(f"dcpx: cannot save {key!r}: {e}") from None
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return (dlpack_view(t), stype)
+
+
+class _Entry(NamedTuple):
+    index: MetadataIndex
+    payload: Any          # bytes, or (tensor, storage_type)
+    nbytes: int
+
+
+def _buckets(entries: Sequence[_Entry], n: int) -> list[list[_Entry]]:
+    """torch's _split_by_size_and_type: bytes round-robin, tensors largest
+    first onto the least-loaded bucket."""
+    if n <= 1:
+        return [list(entries)]
+    out: list[list[_Entry]] = [[] for _ in range(n)]
+    tensors = []
+    nb = 0
+    for e in entries:
+        if isinstance(e.payload, bytes):
+            out[nb % n].append(e)
+            nb += 1
+        else:
+            tensors.append(e)
+    tensors.sort(key=lambda e: e.nbytes, reverse=True)
+    heap = [(0, i) for i in range(n)]
+    for e in tensors:
+        load, i = heapq.heappop(heap)
+        out[i].append(e)
+        heapq.heappush(heap, (load + e.nbytes, i))
+    return out
+
+
+class PendingWrite:
+    """Data files being written by a C WriteJob; their layout is already
+    known, so the metadata can be built while the bytes go out."""
+
+    def __init__(self, writer: "FileSystemWriter", files: list[tuple[str, list[_Entry]]]):
+        self.writer = writer
+        self.paths = [str(writer.path / name) for name, _ in files]
+        self.job = _C.WriteJob(
+            [(p, [e.payload for e in ents]) for p, (_, ents) in zip(self.paths, files)],
+            sync_files=writer.sync_files, threads=max(1, writer.thread_count))
+        self.results = [
+            WriteResult(index=e.index, size_in_bytes=length,
+                        storage_data=_StorageInfo(name, offset, length))
+            for (name, ents), lay in zip(files, self.job.layout())
+            for e, (offset, length) in zip(ents, lay)
+        ]
+
+    def start(self) -> "PendingWrite":
+        self.job.start()
+        return self
+
+    def wait(self) -> list[WriteResult]:
+        """Join the writer threads; on failure remove this save's files."""
+        try:
+            self.job.wait()
+        except BaseException:
+            self.discard()
+            raise
+        finally:
+            self.job.release()
+        return self.results
+
+    def discard(self) -> None:
+        for p in self.paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+class FileSystemWriter(StorageWriter):
+    """Drop-in for ``torch.distributed.checkpoint.FileSystemWriter``.
+
+    Honoured: ``single_file_per_rank``, ``sync_files`` (data files, metadata
+    and the directory are fsynced), ``thread_count`` (C writer threads, one
+    file each), ``overwrite``.  ``per_thread_copy_ahead`` and
+    ``cache_staged_state_dict`` are accepted for compatibility; staging is
+    done by dcpx's stager (see dcpx.staging).
+    """
+
+    def __init__(
+        self,
+        path: Union[str, os.PathLike],
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Optional[Sequence[Any]] = None,
+        serialization_format: Any = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if _extensions:
+            raise NotImplementedError("dcpx: stream-transform _extensions are not supported")
+        if serialization_format is not None and getattr(serialization_format, "value",
+                                                        serialization_format) != "torch_save":
+            raise NotImplementedError(
+                f"dcpx: serialization_format {serialization_format} is not supported "
+                f"(only TORCH_SAVE)")
+        if int(thread_count) < 1:
+            raise ValueError(f"dcpx: thread_count must be >= 1, got {thread_count}")
+        self.path = Path(path)
+        self.single_file_per_rank = single_file_per_rank
+        self.sync_files = sync_files
+        self.thread_count = int(thread_count)
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.cache_staged_state_dict = cache_staged_state_dict
+        self.overwrite = overwrite
+        self.save_id = str(uuid.uuid4())
+        self.rank: Optional[int] = None
+        self.is_coordinator = True
+        self.use_collectives = True
+
+    # -- StorageWriter protocol ------------------------------------------
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.save_id = str(uuid.uuid4())
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self._prepare_dir()
+        if self.rank is not None and not self.use_collectives:
+            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self._prefix(self.rank)))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        tag = self._tag()
+        return [
+            dataclasses.replace(p, storage_data=_StoragePrefix(self._prefix(i, tag)))
+            if p.storage_data is None else p
+            for i, p in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        entries = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                payload = data.getvalue()
+                entries.append(_Entry(item.index, payload, len(payload)))
+            else:
+                payload = tensor_payload(data, item.index.fqn)
+                entries.append(_Entry(item.index, payload,
+                                      data.numel() * data.element_size()))
+        results = self.write_entries(plan.storage_data.prefix, entries).start().wait()
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage_md = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = DCP_VERSION
+        self.commit(metadata)
+
+    def storage_meta(self) -> Optional[StorageMeta]:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> Union[str, os.PathLike]:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        if isinstance(checkpoint_id, Path):
+            return True
+        if "://" in str(checkpoint_id):
+            return False
+        return True
+
+    # -- dcpx's pieces ----------------------------------------------------
+    def _metadata_path(self) -> Path:
+        if self.rank is not None and not self.use_collectives:
+            return self.path / f"__{self.rank}{_metadata.METADATA_FN}"
+        return self.path / _metadata.METADATA_FN
+
+    def _prepare_dir(self) -> None:
+        _check_dir(self.path, create=True)
+        if self._metadata_path().exists() and not self.overwrite:
+            raise RuntimeError(
+                f"Checkpoint already exists and self.overwrite={self.overwrite}: {self.path}")
+
+    def _tag(self) -> str:
+        """'' in a directory without a committed checkpoint, else a fresh
+        tag so that no data file a committed .metadata refers to is touched."""
+        if (self.path / _metadata.METADATA_FN).exists() or any(
+                self.path.glob(f"__*{_metadata.METADATA_FN}")):
+            return uuid.uuid4().hex[:8]
+        return ""
+
+    def _prefix(self, rank: int, tag: Optional[str] = None) -> str:
+        if tag is None:
+            tag = self._tag()
+        return f"__{rank}_{tag}_" if tag else f"__{rank}_"
+
+    def write_entries(self, prefix: str, entries: Sequence[_Entry]) -> PendingWrite:
+        """Lay out entries into data files named ``{prefix}{i}.distcp``."""
+        if self.single_file_per_rank:
+            groups = [g for g in _buckets(entries, self.thread_count) if g] or [[]]
+        else:
+            groups = [[e] for e in entries]
+        files = [(f"{prefix}{i}.distcp", g) for i, g in enumerate(groups)]
+        return PendingWrite(self, files)
+
+    def encode_metadata(self, metadata: Metadata) -> bytes:
+        return _metadata.dumps(metadata)
+
+    def commit(self, metadata: Metadata, data: Optional[bytes] = None) -> None:
+        """Make the checkpoint visible atomically; see the module docstring.
+        ``data`` is ``encode_metadata(metadata)`` if the caller has it."""
+        final = self._metadata_path()
+        tmp = final.with_name(f"{final.name}.tmp.{self.save_id}")
+        if data is None:
+            data = self.encode_metadata(metadata)
+        try:
+            if self.sync_files:
+                _fsync_dir(self.path)  # the data files' directory entries
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.sync_files:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        if self.sync_files:
+            _fsync_dir(self.path)
+        self._remove_unreferenced(metadata)
+
+    def _remove_unreferenced(self, metadata: Metadata) -> None:
+        keep = {si.relative_path for si in metadata.storage_data.values()}
+        own = f"__{self.rank}_" if (self.rank is not None and not self.use_collectives) else "__"
+        for name in os.listdir(self.path):
+            stale_data = _DATA_FILE.match(name) and name.startswith(own) and name not in keep
+            if stale_data or (_TMP_METADATA.match(name) and self.save_id not in name
+                              and own == "__"):
+                try:
+                    os.unlink(self.path / name)
+                except FileNotFoundError:
+                    pass
+
+
+class _TensorRead(NamedTuple):
+    key: str
+    info: _StorageInfo
+    chunk: torch.Size          # shape of the saved chunk
+    dtype: torch.dtype         # saved dtype
+    target: torch.Tensor       # where the (narrowed) data goes
+    narrow: Optional[tuple]    # (storage_offsets, lengths) within the chunk
+
+
+class FileSystemReader(StorageReader):
+    """Drop-in for ``torch.distributed.checkpoint.FileSystemReader``.
+
+    Extra keyword arguments (dcpx's own):
+      ``thread_count``: C reader threads (default: up to 4 of the CPUs).
+      ``verify``: check each tensor record's CRC-32 (default True).
+      ``allow_pickle``: load non-tensor values with full pickle instead of
+        torch's ``weights_only`` allow-list (default False: a checkpoint can
+        never run code on load unless you trust it and say so).
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], _extension_registry: Any = None,
+                 thread_count: Optional[int] = None, verify: bool = True,
+                 allow_pickle: bool = False) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.thread_count = thread_count or min(4, os.cpu_count() or 1)
+        self.verify = verify
+        self.allow_pickle = allow_pickle
+        self.storage_data: dict = {}
+        self.load_id = str(uuid.uuid4())
+        self.rank: Optional[int] = None
+        self.use_collectives = True
+        self._chunks: Optional[dict] = None
+        self._state_dict_metadata: dict = {}
+
+    # -- StorageReader protocol ------------------------------------------
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        self.storage_data = {}
+        self._chunks = None
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = _metadata.METADATA_FN if rank is None else f"__{rank}{_metadata.METADATA_FN}"
+        path = self.path / name
+        _check_dir(self.path, create=False)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            if not self.path.exists():
+                raise IncompleteCheckpointError(
+                    2, f"dcpx: no checkpoint at {self.path}: the directory does not exist",
+                    str(self.path)) from None
+            raise IncompleteCheckpointError(
+                2, f"dcpx: checkpoint at {self.path} is incomplete: it has no {name} "
+                   f"(the save never committed, or was interrupted)", str(path)) from None
+        md = _metadata.loads(data, str(path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
+                              *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self._state_dict_metadata = metadata.state_dict_metadata
+        self._chunks = None
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+        self._validate_storage(metadata)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        reads, tensor_reqs = [], []
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(self.read_bytes(req.storage_index.fqn, info)))
+                continue
+            chunk, dtype = self._chunk_of(req.storage_index)
+            target = planner.resolve_tensor(req).detach()
+            full = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(chunk)
+            reads.append(_TensorRead(req.storage_index.fqn, info, chunk, dtype, target,
+                                     None if full else (req.storage_offsets, req.lengths)))
+            tensor_reqs.append((req, target))
+        self.read_tensors(reads)
+        for req, target in tensor_reqs:
+            planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    @property
+    def checkpoint_id(self) -> Union[str, os.PathLike]:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        return FileSystemWriter.validate_checkpoint_id(checkpoint_id)
+
+    # -- dcpx's pieces ----------------------------------------------------
+    def _validate_storage(self, metadata: Metadata) -> None:
+        """Reject paths that escape the directory and impossible extents
+        before anything is read."""
+        sizes: dict[str, int] = {}
+        for index, info in metadata.storage_data.items():
+            if not isinstance(info, _StorageInfo):
+                raise CorruptCheckpointError(f"{self.path}: bad storage entry for {index}")
+            rel = info.relative_path
+            if rel not in sizes:
+                if (not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel
+                        or rel in (".", "..") or "\0" in rel):
+                    raise CorruptCheckpointError(
+                        f"{self.path}: metadata names data file {rel!r} outside the "
+                        f"checkpoint directory (refused)")
+                try:
+                    sizes[rel] = os.stat(self.path / rel).st_size
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"{self.path}: data file {rel} is missing (needed by key "
+                        f"{getattr(index, 'fqn', index)!r})") from None
+            if (not isinstance(info.offset, int) or not isinstance(info.length, int)
+                    or info.offset < 0 or info.length < 0
+                    or info.offset + info.length > sizes[rel]):
+                raise CorruptCheckpointError(
+                    f"{self.path / rel}: key {getattr(index, 'fqn', index)!r}: extent "
+                    f"[{info.offset}, +{info.length}) lies outside the file "
+                    f"({sizes[rel]} bytes; truncated?)")
+            if getattr(info, "transform_descriptors", None):
+                raise NotImplementedError(
+                    f"dcpx: {self.path / rel} uses stream transforms "
+                    f"{info.transform_descriptors}; load it with torch.distributed.checkpoint")
+
+    def _chunk_of(self, index: MetadataIndex) -> tuple:
+        if self._chunks is None:
+            self._chunks = {}
+            for fqn, md in self._state_dict_metadata.items():
+                if isinstance(md, TensorStorageMetadata):
+                    for ch in md.chunks:
+                        self._chunks[(fqn, tuple(ch.offsets))] = (ch.sizes, md.properties.dtype)
+        try:
+            return self._chunks[(index.fqn, tuple(index.offset))]
+        except KeyError:
+            raise CorruptCheckpointError(
+                f"{self.path}: no chunk of {index.fqn!r} at offset {tuple(index.offset)}") from None
+
+    def read_bytes(self, key: str, info: _StorageInfo) -> Any:
+        """The raw bytes of a bytes item, after checking they are safe to
+        unpickle (weights_only) unless allow_pickle is set."""
+        path = self.path / info.relative_path
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        if len(data) != info.length:
+            raise CorruptCheckpointError(f"{path}: key {key!r}: file is truncated")
+        if not self.allow_pickle:
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)
+            except Exception as e:
+                from .errors import UnsafeCheckpointError
+                raise UnsafeCheckpointError(
+                    f"{path}: key {key!r}: value is not loadable with weights_only=True "
+                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                    f"if you trust this checkpoint, pass "
+                    f"FileSystemReader(path, allow_pickle=True)") from None
+        return data
+
+    def read_tensors(self, reads: Sequence[_TensorRead]) -> None:
+        """Read tensor chunks into their targets: straight into the target's
+        memory when it is contiguous host memory of the saved shape and dtype,
+        else through one temporary per chunk."""
+        files: dict[str, int] = {}
+        items, later = [], []
+        for r in reads:
+            if r.target.dtype != r.dtype:
+                raise ValueError(
+                    f"dcpx: dtype mismatch for {r.key!r}: the checkpoint holds "
+                    f"{r.dtype}, the destination is {r.target.dtype}")
+            direct = (r.narrow is None and r.target.device.type == "cpu"
+                      and r.target.is_contiguous() and r.target.shape == r.chunk
+                      and not r.target.is_conj() and not r.target.is_neg())
+            dest = r.target if direct else torch.empty(r.chunk, dtype=r.dtype)
+            if not direct:
+                later.append((dest, r))
+            fidx = files.setdefault(r.info.relative_path, len(files))
+            items.append((fidx, r.info.offset, r.info.length, dlpack_view(dest),
+                          storage_type_name(r.dtype)))
+        paths = [str(self.path / p) for p in files]
+        failures = _C.read_items(paths, items, threads=self.thread_count, verify=self.verify)
+        for i, code, err, msg in failures:
+            r = reads[i]
+            dest = items[i][3]
+            if code == 1:  # valid archive in a form the C reader leaves to torch
+                self._fallback_read(r, dest)
+                continue
+            where = f"{self.path / r.info.relative_path}: key {r.key!r}"
+            if code == 3 and err:
+                raise OSError(err, f"dcpx: {where}: {msg}: {os.strerror(err)}",
+                              str(self.path / r.info.relative_path))
+            raise CorruptCheckpointError(f"{where}: {msg}")
+        for dest, r in later:
+            src = dest
+            if r.narrow is not None:
+                for dim, (start, length) in enumerate(zip(*r.narrow)):
+                    src = src.narrow(dim, start, length)
+            r.target.copy_(src)
+
+    def _fallback_read(self, r: _TensorRead, dest: torch.Tensor) -> None:
+        path = self.path / r.info.relative_path
+        with open(path, "rb") as f:
+            f.seek(r.info.offset)
+            raw = f.read(r.info.length)
+        try:
+            t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CorruptCheckpointError(f"{path}: key {r.key!r}: cannot load tensor "
+                                         f"record: {e}") from e
+        if not isinstance(t, torch.Tensor) or t.shape != r.chunk or t.dtype != r.dtype:
+            raise CorruptCheckpointError(
+                f"{path}: key {r.key!r}: record holds "
+                f"{getattr(t, 'dtype', type(t))}{tuple(getattr(t, 'shape', ()))}, "
+                f"metadata says {r.dtype}{tuple(r.chunk)}")
+        dest.copy_(t.view(dest.dtype) if dest.dtype != t.dtype else t)
