@@ -18,6 +18,7 @@ SOURCES = [
     "csrc/zipread.c",
     "csrc/writer.c",
     "csrc/reader.c",
+    "csrc/stage.c",
 ]
 
 cflags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]

@@ -95,9 +95,9 @@ def as_bytes(t):
 
 def limit_buffers(sd, dst_sd):
     """(src, dst) byte buffers covering the same bytes: big tensors as-is, small ones packed."""
-    small = [k for k, t in sd.items() if t.numel() * t.element_size() < PACK_BELOW]
-    src = [sd[k] for k in sd if k not in set(small)]
-    dst = [dst_sd[k] for k in sd if k not in set(small)]
+    small = {k for k, t in sd.items() if t.numel() * t.element_size() < PACK_BELOW}
+    src = [t for k, t in sd.items() if k not in small]
+    dst = [dst_sd[k] for k in sd if k not in small]
     if small:
         src.append(torch.cat([sd[k].reshape(-1) for k in small]))
         dst.append(torch.empty_like(src[-1]))
@@ -274,17 +274,19 @@ def machine_info(workdir, dcpx_mod, dcpx_err):
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
         "cpu": first("/proc/cpuinfo", "model name"), "cores": os.cpu_count(),
-        "ram": first("/proc/meminfo", "MemTotal"),
+        "ram": f"{int(first('/proc/meminfo', 'MemTotal').split()[0]) / 2**20:.1f} GiB",
         "bench_dir": real, "fs_type": fs[2], "fs_device": fs[0], "fs_mount": fs[1],
         "kernel": platform.release(), "python": platform.python_version(),
         "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(),
         "dcpx": getattr(dcpx_mod, "__version__", "unknown") if dcpx_mod else f"not available ({dcpx_err})",
         "git": git or "?",
+        # on VMs, freed guest memory handed back to the host makes the next first touch slow
+        "free_page_reporting": os.path.exists("/sys/module/page_reporting"),
     }
 
 
 def fmt_ratio(r):
-    v = "n/a" if r["value"] is None else f"{r['value']:.2f}x"
+    v = "n/a" if r["value"] is None else f"{r['value']:.3g}x"
     if r["target"] is None:
         return v, "", ""
     status = "n/a" if r["met"] is None else ("MET" if r["met"] else "NOT MET")
@@ -308,7 +310,7 @@ def render(results, meta, md):
     out.append("")
     keys = ["date", "hostname", "cpu", "cores", "ram", "bench_dir", "fs_type", "fs_device", "kernel",
             "python", "torch", "numpy", "torch_threads", "dcpx", "git", "read_mode", "thread_count",
-            "repeat", "peak_rss_gib"]
+            "repeat", "peak_rss_gib", "loadavg_start", "loadavg_end", "free_page_reporting"]
     out += table(["machine / setting", "value"], [[k, str(meta.get(k))] for k in keys])
     for name, res in results.items():
         out += ["", h(f"({'a' if name == 'large' else 'b'}) {name}: {res['n_tensors']} tensors, "
@@ -375,7 +377,7 @@ def main(argv=None):
                 cwd=os.getcwd(), read_mode="cold (page cache dropped before each read)"
                 if args.drop_caches else "warm (page cache NOT dropped; reads come from RAM)",
                 thread_count=args.thread_count if args.thread_count is not None else "default",
-                repeat=args.repeat, args=vars(args))
+                repeat=args.repeat, args=vars(args), loadavg_start=os.getloadavg())
     results = {}
     try:
         for name in (["large", "small"] if args.which == "both" else [args.which]):
@@ -386,6 +388,7 @@ def main(argv=None):
             gc.collect()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    meta["loadavg_end"] = os.getloadavg()
     meta["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
     print(render(results, meta, md=False))

@@ -179,7 +179,14 @@ PyDoc_STRVAR(read_doc,
              "Returns [(item_index, code, errno, message)] for items not "
              "read (1 fallback, 2 corrupt, 3 I/O, 4 CRC mismatch).");
 
+PyDoc_STRVAR(copy_doc,
+             "copy_into($module, pairs, threads=1)\n--\n\n"
+             "Copy each (src, dst) tensor pair, src strided or not, into its "
+             "contiguous host destination, on C threads without the GIL.");
+
 static PyMethodDef dcpx_methods[] = {
+    {"copy_into", (PyCFunction)(void (*)(void))dcpx_copy_into,
+     METH_VARARGS | METH_KEYWORDS, copy_doc},
     {"crc32", dcpx_crc32_py, METH_VARARGS, crc32_doc},
     {"crc32_combine", dcpx_combine_py, METH_VARARGS, combine_doc},
     {"probe_tensor", dcpx_probe_tensor, METH_O, probe_doc},

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _C
 from ._api import load, save
+from ._async import AsyncCheckpointerType, AsyncSaveResponse, async_save
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -24,12 +25,18 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .filesystem import FileSystemReader, FileSystemWriter
+from .staging import DefaultStager, StagingOptions
 
 __version__ = "0.1.0"
 
 __all__ = [
     "save",
+    "async_save",
     "load",
+    "AsyncCheckpointerType",
+    "AsyncSaveResponse",
+    "DefaultStager",
+    "StagingOptions",
     "FileSystemWriter",
     "FileSystemReader",
     "Stateful",

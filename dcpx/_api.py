@@ -157,11 +157,15 @@ def plan_local_save(writer: FileSystemWriter, flat: dict, mappings: dict,
     return metadata, pending
 
 
+def fast_path_eligible(storage_writer, planner, no_dist: bool) -> bool:
+    """dcpx plans the save itself: one process, default planner, dcpx storage."""
+    return (planner is None and not _dist_in_use(no_dist)
+            and isinstance(storage_writer, FileSystemWriter))
+
+
 def fast_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
     """(flat, mappings) when the fast path applies, else None."""
-    if planner is not None or _dist_in_use(no_dist):
-        return None
-    if not isinstance(storage_writer, FileSystemWriter):
+    if not fast_path_eligible(storage_writer, planner, no_dist):
         return None
     flat, mappings = flatten_state_dict(_stateful_to_state_dict(state_dict))
     if not all(_is_plain_tensor(v) or not isinstance(v, torch.Tensor) for v in flat.values()):

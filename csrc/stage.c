@@ -1,0 +1,151 @@
+/* copy_into: the staging copy.  Copies many source tensors into their
+ * staging destinations with several C threads and the GIL released.
+ *
+ *   copy_into(pairs, threads=1)      pairs: [(src, dst), ...]
+ *
+ * Sources may be strided (gathered in row-major order); destinations must
+ * be contiguous, writable host memory of the same byte size (the stager's
+ * reused, pre-faulted buffers).  The work is cut into tasks of at most
+ * TASK bytes so that one huge tensor is still copied by every thread, and
+ * threads take tasks from a shared counter.
+ */
+#include "dcpx.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <string.h>
+
+#define TASK ((uint64_t)8 << 20) /* multiple of every itemsize */
+
+typedef struct {
+    int pair;
+    uint64_t from, len;
+} ctask;
+
+typedef struct {
+    dcpx_view *src, *dst;
+    ctask *tasks;
+    Py_ssize_t ntasks;
+    atomic_long next;
+} cjob;
+
+static void *copy_worker(void *arg)
+{
+    cjob *job = arg;
+    for (;;) {
+        long i = atomic_fetch_add(&job->next, 1);
+        if (i >= job->ntasks)
+            break;
+        const ctask *t = &job->tasks[i];
+        dcpx_view_gather(&job->src[t->pair], t->from, t->len,
+                         job->dst[t->pair].data + t->from);
+    }
+    return NULL;
+}
+
+static void run_copy(cjob *job, int nthreads)
+{
+    pthread_t tids[64];
+    int started = 0;
+    for (int i = 1; i < nthreads && i < 64; i++) {
+        if (pthread_create(&tids[started], NULL, copy_worker, job) != 0)
+            break; /* the calling thread still does all remaining work */
+        started++;
+    }
+    copy_worker(job);
+    for (int i = 0; i < started; i++)
+        pthread_join(tids[i], NULL);
+}
+
+static int take_pair(PyObject *pair, dcpx_view *src, dcpx_view *dst)
+{
+    PyObject *s, *d;
+    if (!PyArg_ParseTuple(pair, "OO;dcpx: pair must be (src, dst)", &s, &d))
+        return -1;
+    if (dcpx_view_from_object(s, src, 0) < 0)
+        return -1;
+    if (dcpx_view_from_object(d, dst, 1) < 0)
+        return -1;
+    if ((src->device_type != DCPX_DL_CPU &&
+         src->device_type != DCPX_DL_CUDA_HOST) ||
+        (dst->device_type != DCPX_DL_CPU &&
+         dst->device_type != DCPX_DL_CUDA_HOST)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "dcpx: copy_into needs host-accessible tensors");
+        return -1;
+    }
+    if (!dst->contiguous || src->nbytes != dst->nbytes ||
+        src->itemsize != dst->itemsize) {
+        PyErr_SetString(PyExc_ValueError,
+                        "dcpx: staging destination must be contiguous and "
+                        "match the source's size and itemsize");
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *dcpx_copy_into(PyObject *Py_UNUSED(module), PyObject *args,
+                         PyObject *kwds)
+{
+    static char *kwlist[] = {"pairs", "threads", NULL};
+    PyObject *pairs, *fast = NULL, *out = NULL;
+    int nthreads = 1;
+    Py_ssize_t n = 0;
+    cjob job;
+
+    memset(&job, 0, sizeof(job));
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|i", kwlist, &pairs,
+                                     &nthreads))
+        return NULL;
+    if (nthreads < 1 || nthreads > 64) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: threads must be in 1..64");
+        return NULL;
+    }
+    fast = PySequence_Fast(pairs, "dcpx: pairs must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(fast);
+    job.src = PyMem_RawCalloc((size_t)n + 1, sizeof(dcpx_view));
+    job.dst = PyMem_RawCalloc((size_t)n + 1, sizeof(dcpx_view));
+    if (job.src == NULL || job.dst == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_ssize_t ntasks = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (take_pair(PySequence_Fast_GET_ITEM(fast, i), &job.src[i],
+                      &job.dst[i]) < 0)
+            goto done;
+        ntasks += (Py_ssize_t)((job.src[i].nbytes + TASK - 1) / TASK);
+    }
+    job.tasks = PyMem_RawMalloc(((size_t)ntasks + 1) * sizeof(ctask));
+    if (job.tasks == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (uint64_t from = 0; from < job.src[i].nbytes; from += TASK) {
+            ctask *t = &job.tasks[job.ntasks++];
+            t->pair = (int)i;
+            t->from = from;
+            t->len = job.src[i].nbytes - from < TASK ? job.src[i].nbytes - from
+                                                     : TASK;
+        }
+    if (nthreads > job.ntasks)
+        nthreads = job.ntasks > 0 ? (int)job.ntasks : 1;
+    Py_BEGIN_ALLOW_THREADS
+    run_copy(&job, nthreads);
+    Py_END_ALLOW_THREADS
+    Py_INCREF(Py_None);
+    out = Py_None;
+done:
+    for (Py_ssize_t i = 0; job.src && i < n; i++)
+        dcpx_view_release(&job.src[i]);
+    for (Py_ssize_t i = 0; job.dst && i < n; i++)
+        dcpx_view_release(&job.dst[i]);
+    PyMem_RawFree(job.src);
+    PyMem_RawFree(job.dst);
+    PyMem_RawFree(job.tasks);
+    Py_DECREF(fast);
+    return out;
+}

@@ -1,0 +1,173 @@
+"""dcpx.async_save: torch's asynchronous checkpoint API over dcpx's stager
+and C writer.
+
+Timeline of one call (docs/design.md has the picture)::
+
+    caller thread     stage() ──► returns Future / AsyncSaveResponse
+    dcpx-stage        (use_async_staging) C copy into the stager's buffer ──► staging_completion
+    dcpx-upload       plan + metadata ── C writer threads (no GIL) ── commit ──► upload_completion
+
+* Uploads run one at a time, in call order, on one ``dcpx-upload`` thread
+  (THREAD) or in one long-lived checkpoint process (PROCESS).  Two saves
+  into the same directory therefore never interleave.
+* In-flight policy: a stager's buffer belongs to the upload of what was
+  staged into it.  A second ``async_save`` with the same stager first waits
+  (inside ``stage()``) for that upload, then reuses the buffer.  Saves with
+  different stagers (or the default, per-call stager) queue their uploads.
+* At interpreter exit the upload thread finishes the queued saves (it is a
+  non-daemon executor thread).  A process killed before a save's commit
+  leaves no ``.metadata`` for it (or the previous one, untouched): never a
+  half-written checkpoint that loads.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from enum import Enum
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ._api import (
+    _dist_in_use,
+    _stateful_to_state_dict,
+    _writer_for,
+    fast_path_eligible,
+    fast_path_state,
+    paused_gc,
+    plan_local_save,
+    save,
+)
+from ._dtypes import dlpack_view, storage_type_name
+from .filesystem import FileSystemWriter
+from .staging import DefaultStager, StagingOptions
+
+try:  # the classes users may isinstance-check against
+    from torch.distributed.checkpoint.state_dict_saver import (
+        AsyncCheckpointerType,
+        AsyncSaveResponse,
+    )
+except ImportError:  # torch < 2.9
+    from dataclasses import dataclass
+
+    class AsyncCheckpointerType(Enum):  # type: ignore[no-redef]
+        THREAD = "thread"
+        PROCESS = "process"
+
+    @dataclass
+    class AsyncSaveResponse:  # type: ignore[no-redef]
+        staging_completion: Future
+        upload_completion: Future
+
+__all__ = ["async_save", "AsyncCheckpointerType", "AsyncSaveResponse"]
+
+_upload_lock = threading.Lock()
+_upload_executor: Optional[ThreadPoolExecutor] = None
+
+
+def _uploader() -> ThreadPoolExecutor:
+    global _upload_executor
+    with _upload_lock:
+        if _upload_executor is None:
+            _upload_executor = ThreadPoolExecutor(1, thread_name_prefix="dcpx-upload")
+        return _upload_executor
+
+
+def _staged_payload(t: torch.Tensor, key: str) -> tuple:
+    """Staged tensors are contiguous host tensors already: no checks, no
+    copies."""
+    return (dlpack_view(t.detach()), storage_type_name(t.dtype))
+
+
+def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
+            use_collectives):
+    """Write and commit one staged state dict (runs on the upload thread)."""
+    if isinstance(staged, Future):
+        staged = staged.result()
+    fast = None
+    if isinstance(stager, DefaultStager) and fast_path_eligible(writer, planner, no_dist):
+        fast = stager.flat_of(staged)  # the stager's flat view: no re-flattening
+    if fast is None:
+        fast = fast_path_state(staged, writer, planner, no_dist)
+    if fast is None:
+        return save(staged, storage_writer=writer, planner=planner,
+                    process_group=process_group, no_dist=no_dist,
+                    use_collectives=use_collectives)
+    with paused_gc():
+        metadata, pending = plan_local_save(writer, *fast, prepare=_staged_payload)
+        pending.start()
+        data = writer.encode_metadata(metadata)
+    pending.wait()  # GIL released while the C threads write
+    writer.commit(metadata, data)
+    return metadata
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    *,
+    checkpoint_id: Union[str, os.PathLike, None] = None,
+    storage_writer=None,
+    planner=None,
+    process_group=None,
+    async_checkpointer_type: AsyncCheckpointerType = AsyncCheckpointerType.THREAD,
+    async_stager=None,
+    no_dist: bool = False,
+    use_collectives: bool = True,
+) -> Union[Future, AsyncSaveResponse]:
+    """Asynchronous save; same signature and semantics as
+    ``torch.distributed.checkpoint.async_save``.
+
+    Returns a Future of the Metadata when staging finished inside the call,
+    or ``AsyncSaveResponse(staging_completion, upload_completion)`` when the
+    stager stages asynchronously.  After staging completes the caller may
+    change its tensors: the checkpoint holds the values of the call.
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"dcpx.async_save: state_dict must be a dict, got "
+                        f"{type(state_dict).__name__}")
+    if _dist_in_use(no_dist):
+        pg = process_group or dist.distributed_c10d._get_default_group()
+        if torch.device("cpu") not in pg._device_types:
+            raise AssertionError(
+                "A CPU backend must be enabled for async save; try initializing "
+                "process group with 'cpu:gloo,cuda:nccl'")
+    if AsyncCheckpointerType(async_checkpointer_type) == AsyncCheckpointerType.PROCESS:
+        from ._process import submit_process_upload as submit
+    else:
+        submit = None
+    writer = _writer_for(storage_writer, checkpoint_id)
+    owned = None
+    if async_stager is None:
+        if hasattr(writer, "stage") and not isinstance(writer, FileSystemWriter):
+            async_stager = writer  # torch's writers are their own stager
+        else:
+            async_stager = owned = DefaultStager(StagingOptions(False, False, False, False))
+    staged = async_stager.stage(_stateful_to_state_dict(state_dict))
+
+    args = (staged, async_stager, writer, planner, process_group, no_dist, use_collectives)
+    if submit is not None:
+        upload = submit(*args)
+    else:
+        upload = _uploader().submit(_upload, *args)
+    if isinstance(async_stager, DefaultStager):
+        async_stager.lease_to(upload)
+    if owned is not None:
+        upload.add_done_callback(lambda _: owned.close())
+
+    if isinstance(staged, Future):
+        staging_done: Future = Future()
+
+        def _relay(f: Future) -> None:
+            err = f.exception()
+            if err is None:
+                staging_done.set_result(None)
+            else:
+                staging_done.set_exception(err)
+
+        staged.add_done_callback(_relay)
+        return AsyncSaveResponse(staging_completion=staging_done, upload_completion=upload)
+    if getattr(async_stager, "should_synchronize_after_execute", False):
+        async_stager.synchronize_staging()
+    return upload

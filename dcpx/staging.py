@@ -1,0 +1,247 @@
+"""Staging: copying a state dict into host memory that the checkpoint upload
+can read while training goes on mutating the originals.
+
+``DefaultStager`` mirrors ``torch.distributed.checkpoint.staging.DefaultStager``
+and its ``StagingOptions``.  What is dcpx's own:
+
+* **Reused buffers.**  The first ``stage()`` of a state dict allocates one
+  page-aligned, pre-faulted host buffer for all its tensors (``mmap``; shared
+  memory when ``use_shared_memory``, so a checkpoint *process* can write it
+  without another copy; pinned with ``cudaHostRegister`` when CUDA is present
+  and ``use_pinned_memory``).  Later stages of a state dict with the same
+  structure (keys, dtypes, shapes) copy into the same buffer: no allocation,
+  no page faults, flat memory over any number of saves.
+* **The copy runs in C** (``dcpx._C.copy_into``) on several threads with the
+  GIL released.  CUDA tensors are copied device-to-host on a stream of the
+  stager's own, ordered after the producer's current stream, and completion
+  is waited for with that stream's event.
+* **One upload per buffer.**  A stager's buffer is leased to the upload of
+  the checkpoint staged into it; the next ``stage()`` first waits for that
+  upload to finish (docs/design.md, "In-flight policy").
+
+Options that need CUDA (pinned memory, non-blocking copies) are accepted
+and ignored on a machine without it.
+"""
+from __future__ import annotations
+
+import copy
+import mmap
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+
+from . import _C
+from ._dtypes import dlpack_view
+
+__all__ = ["StagingOptions", "DefaultStager"]
+
+_PAGE = mmap.PAGESIZE
+_ALIGN = 64
+
+
+@dataclass
+class StagingOptions:
+    """Same fields and defaults as torch's ``StagingOptions``."""
+
+    use_pinned_memory: bool = True
+    use_shared_memory: bool = True
+    use_async_staging: bool = True
+    use_non_blocking_copy: bool = True
+
+
+def _copy_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class _Buffer:
+    """One host allocation: page-aligned, pre-faulted, optionally shared
+    and pinned."""
+
+    def __init__(self, nbytes: int, shared: bool, pin: bool) -> None:
+        self.nbytes = nbytes
+        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE)
+        flags |= getattr(mmap, "MAP_POPULATE", 0)  # pre-fault: no faults while staging
+        self.mm = mmap.mmap(-1, size, flags=flags)
+        self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.pinned = False
+        if pin:
+            rc = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), size, 0)
+            self.pinned = int(rc) == 0
+
+    def view(self, offset: int, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        v = self.base[offset:offset + nbytes].view(t.dtype).view(t.shape)
+        if t.requires_grad:  # so the metadata records it as torch does
+            v.requires_grad_(True)
+        return v
+
+    def release(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            self.pinned = False
+        self.base = None
+        try:
+            self.mm.close()
+        except BufferError:  # staged tensors still referenced: GC frees it
+            pass
+
+
+class _Layout:
+    """The staged image of one state-dict structure: the buffer, the staged
+    tensors in flat order, and the staged (nested) state dict."""
+
+    def __init__(self, flat: dict, mappings: dict, shared: bool, pin: bool) -> None:
+        self.signature = _signature(flat)
+        offsets, total = {}, 0
+        for k, v in flat.items():
+            if isinstance(v, torch.Tensor):
+                total = -(-total // _ALIGN) * _ALIGN
+                offsets[k] = total
+                total += v.numel() * v.element_size()
+        self.buffer = _Buffer(total, shared, pin)
+        self.dst = {k: self.buffer.view(o, flat[k]) for k, o in offsets.items()}
+        self.flat = dict(self.dst)  # + each stage's copies of non-tensor values
+        self.mappings = mappings
+        self.state_dict: dict = {}
+        for k, v in self.dst.items():
+            set_element(self.state_dict, mappings[k], v)
+
+
+def _signature(flat: dict) -> tuple:
+    return tuple((k, v.dtype, tuple(v.shape), v.requires_grad) if isinstance(v, torch.Tensor)
+                 else k for k, v in flat.items())
+
+
+class DefaultStager:
+    """Drop-in for torch's ``DefaultStager``; see the module docstring.
+
+    ``stage(state_dict)`` returns the staged state dict, or a Future of it
+    when ``use_async_staging``.  Use as a context manager, or call
+    ``close()``, to free the buffers.
+    """
+
+    should_synchronize_after_execute = False
+
+    def __init__(self, config: StagingOptions = StagingOptions()) -> None:
+        self._config = config
+        self._cuda = torch.cuda.is_available()
+        self._executor = (ThreadPoolExecutor(1, thread_name_prefix="dcpx-stage")
+                          if config.use_async_staging else None)
+        self._stream = torch.cuda.Stream() if (self._cuda and config.use_async_staging) else None
+        self._layout: Optional[_Layout] = None
+        self._staging_future: Optional[Future] = None
+        self._lease: Optional[Future] = None  # the upload reading our buffer
+        self._lock = threading.Lock()
+        self._closed = False
+        self.stage_count = 0
+        self.alloc_count = 0
+
+    # -- torch's AsyncStager protocol ---------------------------------------
+    def stage(self, state_dict: dict, **kwargs: Any):
+        if self._closed:
+            raise RuntimeError("dcpx: DefaultStager is closed")
+        self.wait_for_lease()
+        if self._executor is not None:
+            self._staging_future = self._executor.submit(self._stage, state_dict)
+            return self._staging_future
+        return self._stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        if self._staging_future is not None:
+            self._staging_future.result()
+
+    def close(self) -> None:
+        """Wait for staging and for the upload reading our buffer, then free
+        the buffer.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self.wait_for_lease(raise_errors=False)
+        with self._lock:
+            if self._layout is not None:
+                self._layout.buffer.release()
+                self._layout = None
+
+    def __enter__(self) -> "DefaultStager":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- dcpx's own -----------------------------------------------------------
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of staging memory this stager holds now."""
+        layout = self._layout
+        return layout.buffer.nbytes if layout is not None else 0
+
+    def lease_to(self, upload: Future) -> None:
+        """The upload of what was just staged reads our buffer until done."""
+        self._lease = upload
+
+    def wait_for_lease(self, raise_errors: bool = False) -> None:
+        lease = self._lease
+        if lease is not None:
+            try:
+                lease.result()
+            except BaseException:
+                if raise_errors:
+                    raise
+            self._lease = None
+
+    def flat_of(self, staged: dict) -> Optional[tuple]:
+        """(flat, mappings) of a state dict this stager returned, so the
+        upload need not flatten it again."""
+        layout = self._layout
+        if layout is not None and layout.state_dict is staged:
+            return layout.flat, layout.mappings
+        return None
+
+    def _stage(self, state_dict: dict) -> dict:
+        flat, mappings = flatten_state_dict(state_dict)
+        with self._lock:
+            layout = self._layout
+            if layout is None or layout.signature != _signature(flat):
+                if layout is not None:
+                    layout.buffer.release()
+                    self._layout = None
+                pin = self._cuda and self._config.use_pinned_memory
+                layout = self._layout = _Layout(flat, mappings,
+                                                self._config.use_shared_memory, pin)
+                self.alloc_count += 1
+            host_pairs, cuda_pairs = [], []
+            for k, v in flat.items():
+                dst = layout.dst.get(k)
+                if dst is None:
+                    value = layout.flat[k] = copy.deepcopy(v)
+                    set_element(layout.state_dict, mappings[k], value)
+                elif v.device.type == "cpu":
+                    host_pairs.append((dlpack_view(v.detach()), dlpack_view(dst.detach())))
+                else:
+                    cuda_pairs.append((v.detach(), dst))
+            _C.copy_into(host_pairs, threads=_copy_threads())
+            if cuda_pairs:
+                self._copy_from_devices(cuda_pairs)
+            self.stage_count += 1
+            return layout.state_dict
+
+    def _copy_from_devices(self, pairs: list) -> None:
+        """Device-to-host copies on our stream, after the producer's work."""
+        non_blocking = self._config.use_non_blocking_copy
+        stream = self._stream or torch.cuda.Stream()
+        for dev in {src.device for src, _ in pairs}:
+            stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for src, dst in pairs:
+                dst.detach().copy_(src, non_blocking=non_blocking)
+        done = stream.record_event()
+        done.synchronize()
