@@ -133,22 +133,20 @@ def async_save(
             raise AssertionError(
                 "A CPU backend must be enabled for async save; try initializing "
                 "process group with 'cpu:gloo,cuda:nccl'")
-    if AsyncCheckpointerType(async_checkpointer_type) == AsyncCheckpointerType.PROCESS:
-        from ._process import submit_process_upload as submit
-    else:
-        submit = None
+    process = AsyncCheckpointerType(async_checkpointer_type) == AsyncCheckpointerType.PROCESS
     writer = _writer_for(storage_writer, checkpoint_id)
     owned = None
     if async_stager is None:
         if hasattr(writer, "stage") and not isinstance(writer, FileSystemWriter):
             async_stager = writer  # torch's writers are their own stager
-        else:
-            async_stager = owned = DefaultStager(StagingOptions(False, False, False, False))
+        else:  # per call, as torch's; shared memory lets a PROCESS upload map it
+            async_stager = owned = DefaultStager(StagingOptions(False, process, False, False))
     staged = async_stager.stage(_stateful_to_state_dict(state_dict))
 
     args = (staged, async_stager, writer, planner, process_group, no_dist, use_collectives)
-    if submit is not None:
-        upload = submit(*args)
+    if process:
+        from ._process import submit_process_upload
+        upload = submit_process_upload(*args)
     else:
         upload = _uploader().submit(_upload, *args)
     if isinstance(async_stager, DefaultStager):

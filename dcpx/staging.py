@@ -65,10 +65,18 @@ class _Buffer:
 
     def __init__(self, nbytes: int, shared: bool, pin: bool) -> None:
         self.nbytes = nbytes
-        size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
-        flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE)
-        flags |= getattr(mmap, "MAP_POPULATE", 0)  # pre-fault: no faults while staging
-        self.mm = mmap.mmap(-1, size, flags=flags)
+        self.size = size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
+        populate = getattr(mmap, "MAP_POPULATE", 0)  # pre-fault: no faults while staging
+        self.fd = -1
+        if shared and hasattr(os, "memfd_create"):
+            # A memfd, so that a checkpoint process can map the same pages
+            # (its fd travels over the worker's pipe).
+            self.fd = os.memfd_create("dcpx-staging", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, size)
+            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
+        else:
+            flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | populate
+            self.mm = mmap.mmap(-1, size, flags=flags)
         self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
         self.pinned = False
         if pin:
@@ -87,6 +95,9 @@ class _Buffer:
             torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
             self.pinned = False
         self.base = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
         try:
             self.mm.close()
         except BufferError:  # staged tensors still referenced: GC frees it
@@ -99,7 +110,8 @@ class _Layout:
 
     def __init__(self, flat: dict, mappings: dict, shared: bool, pin: bool) -> None:
         self.signature = _signature(flat)
-        offsets, total = {}, 0
+        self.offsets = offsets = {}
+        total = 0
         for k, v in flat.items():
             if isinstance(v, torch.Tensor):
                 total = -(-total // _ALIGN) * _ALIGN
@@ -197,6 +209,14 @@ class DefaultStager:
                 if raise_errors:
                     raise
             self._lease = None
+
+    def shared_layout_of(self, staged: dict) -> Optional["_Layout"]:
+        """The layout behind a staged state dict if its buffer is a memfd
+        another process can map."""
+        layout = self._layout
+        if layout is not None and layout.state_dict is staged and layout.buffer.fd >= 0:
+            return layout
+        return None
 
     def flat_of(self, staged: dict) -> Optional[tuple]:
         """(flat, mappings) of a state dict this stager returned, so the

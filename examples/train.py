@@ -312,7 +312,7 @@ def main() -> int:
         say(f"phase 1 exited with {rc}, expected to be killed by SIGKILL")
         return 1
     on_disk = sorted(d.name + ("" if (d / ".metadata").exists() else " [incomplete]") for d in root.glob("step_*"))
-    say(f"\n  (orchestrator) phase 1 died with SIGKILL as planned; on disk: {', '.join(on_disk)}")
+    say(f"\n  (orchestrator) phase 1 died with SIGKILL as planned; on disk: {', '.join(on_disk) or '(nothing)'}")
     rc = subprocess.run(base + ["--phase", "resume"]).returncode
     summarize(root, args.backend)
     say(f"\n  total wall time {time.perf_counter() - t0:.1f} s; checkpoints in {root}/; "

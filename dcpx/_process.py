@@ -1,0 +1,159 @@
+"""AsyncCheckpointerType.PROCESS: uploads written by a checkpoint process.
+
+One long-lived worker process (started with ``spawn`` on first use) writes
+and commits checkpoints, so that not even the Python parts of an upload
+(planning, pickling the metadata) compete with training for the GIL.
+
+The staged bytes are not copied again: a ``DefaultStager`` with
+``use_shared_memory`` stages into a memfd; its descriptor is passed to the
+worker once per buffer (SCM_RIGHTS over the pipe) and the worker maps the
+same pages and hands views of them to the C writer.  What crosses the pipe
+per save is only the layout (key, offset, dtype, shape), the non-tensor
+values and the writer's settings.  State dicts staged any other way are
+sent over the pipe by value.
+"""
+from __future__ import annotations
+
+import atexit
+import mmap
+import multiprocessing as mp
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any, Optional
+
+import torch
+
+_lock = threading.Lock()
+_worker: Optional["_Worker"] = None
+
+
+def _writer_config(writer) -> dict:
+    return dict(path=str(writer.path), single_file_per_rank=writer.single_file_per_rank,
+                sync_files=writer.sync_files, thread_count=writer.thread_count,
+                overwrite=writer.overwrite)
+
+
+class _Worker:
+    """Parent side: one process, one request at a time, in call order."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True,
+                                name="dcpx-checkpoint-process")
+        self.proc.start()
+        child.close()
+        self.sent_buffers: dict[int, int] = {}   # id(buffer) -> buffer number
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="dcpx-process-upload")
+
+    def run(self, staged, stager, writer) -> Any:
+        from .staging import DefaultStager
+        if isinstance(staged, Future):
+            staged = staged.result()
+        layout = stager.shared_layout_of(staged) if isinstance(stager, DefaultStager) else None
+        config = _writer_config(writer)
+        if layout is None:
+            self.conn.send(("values", config, staged))
+        else:
+            buf = layout.buffer
+            number = self.sent_buffers.get(id(buf))
+            if number is None:
+                number = self.sent_buffers[id(buf)] = len(self.sent_buffers) + 1
+                self.conn.send(("buffer", number, buf.size))
+                send_handle(self.conn, buf.fd, self.proc.pid)
+            tensors = [(k, layout.offsets[k], str(v.dtype).removeprefix("torch."),
+                        tuple(v.shape), v.requires_grad) for k, v in layout.dst.items()]
+            values = {k: v for k, v in layout.flat.items() if k not in layout.dst}
+            self.conn.send(("staged", config, number, tensors, values, layout.mappings))
+        try:
+            status, result = self.conn.recv()
+        except EOFError:
+            raise RuntimeError("dcpx: the checkpoint process died during the save "
+                               f"(exit code {self.proc.exitcode})") from None
+        if status == "err":
+            raise result
+        return result
+
+
+def submit_process_upload(staged, stager, writer, planner, process_group, no_dist,
+                          use_collectives) -> Future:
+    from ._api import fast_path_eligible
+    from .filesystem import FileSystemWriter
+    if not (isinstance(writer, FileSystemWriter) and fast_path_eligible(writer, planner, no_dist)):
+        raise NotImplementedError(
+            "dcpx: AsyncCheckpointerType.PROCESS supports single-process saves with "
+            "dcpx's FileSystemWriter and the default planner; use THREAD otherwise")
+    global _worker
+    with _lock:
+        if _worker is None or not _worker.proc.is_alive():
+            _worker = _Worker()
+        w = _worker
+    return w.executor.submit(w.run, staged, stager, writer)
+
+
+@atexit.register
+def _shutdown() -> None:
+    w = _worker
+    if w is not None:
+        w.executor.shutdown(wait=True)  # finish queued saves
+        try:
+            w.conn.send(("exit",))
+        except OSError:
+            pass
+        w.proc.join(timeout=10)
+
+
+# ------------------------------------------------------------------ worker
+
+def _worker_main(conn) -> None:
+    from ._api import save
+    from .filesystem import FileSystemWriter
+    buffers: dict[int, torch.Tensor] = {}
+    while True:
+        msg = conn.recv()
+        kind = msg[0]
+        if kind == "exit":
+            return
+        if kind == "buffer":
+            _, number, size = msg
+            fd = recv_handle(conn)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            os.close(fd)
+            buffers = {number: torch.frombuffer(mm, dtype=torch.uint8)}  # older ones are done
+            continue
+        try:
+            if kind == "values":
+                _, config, staged = msg
+                result = save(staged, storage_writer=FileSystemWriter(**config))
+            else:
+                _, config, number, tensors, values, mappings = msg
+                result = _save_views(FileSystemWriter(**config), buffers[number],
+                                     tensors, values, mappings)
+            conn.send(("ok", result))
+        except BaseException as e:  # reported on the upload future
+            try:
+                conn.send(("err", e))
+            except Exception:  # an exception that does not pickle
+                conn.send(("err", RuntimeError(f"dcpx checkpoint process: {e!r}")))
+
+
+def _save_views(writer, base: torch.Tensor, tensors, values, mappings):
+    from ._api import paused_gc, plan_local_save
+    from ._async import _staged_payload
+    flat = dict(values)
+    for key, offset, dtype, shape, requires_grad in tensors:
+        dt = getattr(torch, dtype)
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+        t = base[offset:offset + n].view(dt).view(shape)
+        if requires_grad:
+            t.requires_grad_(True)
+        flat[key] = t
+    with paused_gc():
+        metadata, pending = plan_local_save(writer, flat, mappings, prepare=_staged_payload)
+        pending.start()
+        data = writer.encode_metadata(metadata)
+    pending.wait()
+    writer.commit(metadata, data)
+    return metadata

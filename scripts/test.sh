@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up, then run the test suite.  Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+.venv/bin/python -m pytest -q tests "$@"
