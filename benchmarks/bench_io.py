@@ -83,6 +83,22 @@ def quiesce():
     os.sync()
 
 
+def cpu_snapshot():
+    with open("/proc/stat") as f:
+        v = [int(x) / os.sysconf("SC_CLK_TCK") for x in f.readline().split()[1:]]
+    t = os.times()
+    return {"busy": v[0] + v[1] + v[2] + v[5] + v[6], "steal": v[7],
+            "self": t.user + t.system, "wall": time.monotonic()}
+
+
+def cpu_noise(a, b):
+    """CPU (in cores, averaged over the wall time) used by everything but this
+    process (other processes, kernel writeback threads), and stolen by the host."""
+    wall = b["wall"] - a["wall"]
+    return {"others_cores": round((b["busy"] - a["busy"] - (b["self"] - a["self"])) / wall, 2),
+            "steal_cores": round((b["steal"] - a["steal"]) / wall, 2)}
+
+
 def timed(fn):
     t0 = time.perf_counter()
     fn()
@@ -181,50 +197,43 @@ def load_dcpx():
 
 # ------------------------------------------------------------------ the runs
 def run_case(name, sd, libs, args, workdir):
-    size = nbytes(sd)
-    dst = empty_like_sd(sd)
+    size, dst = nbytes(sd), empty_like_sd(sd)
     src_bufs, dst_bufs = limit_buffers(sd, dst)
     times = {op: [] for op in ["limit memcpy", "limit write+fsync", "limit read"]
              + [f"{lib} {op}" for lib in libs for op in ("save", "load")]}
-    disk = {}
-    limit_file = os.path.join(workdir, "limit.bin")
+    disk, limit_file, cpu0 = {}, os.path.join(workdir, "limit.bin"), cpu_snapshot()
+
+    def measure(op, fn, read=False):
+        quiesce()
+        if read and args.drop_caches:
+            drop_caches()
+        times[op].append(timed(fn))
+
     for r in range(args.repeat):
         # machine limits over the same byte count
-        quiesce()
-        times["limit memcpy"].append(timed(lambda: limit_memcpy(src_bufs, dst_bufs)))
+        measure("limit memcpy", lambda: limit_memcpy(src_bufs, dst_bufs))
         for t in dst_bufs:
             t.fill_(0)
-        rm(limit_file)
-        quiesce()
-        times["limit write+fsync"].append(timed(lambda: limit_write(src_bufs, limit_file)))
-        quiesce()
-        if args.drop_caches:
-            drop_caches()
-        times["limit read"].append(timed(lambda: limit_read(limit_file, dst_bufs)))
-        for s, d in zip(src_bufs, dst_bufs):
-            if not torch.equal(s, d):
-                raise RuntimeError("limit read returned wrong bytes")
+        measure("limit write+fsync", lambda: limit_write(src_bufs, limit_file))
+        measure("limit read", lambda: limit_read(limit_file, dst_bufs), read=True)
+        if not all(torch.equal(s, d) for s, d in zip(src_bufs, dst_bufs)):
+            raise RuntimeError("limit read returned wrong bytes")
         rm(limit_file)
         # checkpoint libraries, interleaved per repeat so drift hits all alike
         for lib, mod in libs.items():
             path = os.path.join(workdir, f"{name}-{lib}")
-            rm(path)
-            quiesce()
-            times[f"{lib} save"].append(timed(lambda: ckpt_save(mod, sd, path, args.thread_count)))
+            measure(f"{lib} save", lambda: ckpt_save(mod, sd, path, args.thread_count))
             disk[lib] = du(path)
             for t in dst.values():
                 t.zero_()
-            quiesce()
-            if args.drop_caches:
-                drop_caches()
-            times[f"{lib} load"].append(timed(lambda: ckpt_load(mod, dst, path)))
+            measure(f"{lib} load", lambda: ckpt_load(mod, dst, path), read=True)
             verify(sd, dst, f"{lib} load ({name}, repeat {r})")
             rm(path)
         print(f"  [{name}] repeat {r + 1}/{args.repeat} done", file=sys.stderr, flush=True)
     ops = {op: {"times_s": ts, "median_s": statistics.median(ts), "min_s": min(ts),
                 "gbps_median": size / GB / statistics.median(ts)} for op, ts in times.items()}
-    return {"n_tensors": len(sd), "bytes": size, "ops": ops,
-            "disk_bytes": disk, "ratios": ratios(name, ops)}
+    return {"n_tensors": len(sd), "bytes": size, "ops": ops, "disk_bytes": disk,
+            "cpu_noise": cpu_noise(cpu0, cpu_snapshot()), "ratios": ratios(name, ops)}
 
 
 def ratios(name, ops):
@@ -322,6 +331,10 @@ def render(results, meta, md):
             rows.append([op, f"{o['median_s']:.3f}", f"{o['min_s']:.3f}", f"{o['gbps_median']:.2f}",
                          "" if d is None else f"{d / 2**20:.1f}"])
         out += table(["operation", "median s", "min s", "GB/s (median)", "on-disk MiB"], rows)
+        n = res["cpu_noise"]
+        out += ["", f"CPU used by other processes + kernel threads during this case: {n['others_cores']} "
+                    f"of {meta['cores']} cores (avg); stolen by the host: {n['steal_cores']} cores"
+                + ("  <-- busy machine, timings are noisy" if n["others_cores"] > 0.3 else "")]
         out.append("")
         out += table(["ratio (medians)", "value", "target", "status"],
                      [[r["label"], *fmt_ratio(r)] for r in res["ratios"]])

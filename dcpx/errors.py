@@ -16,9 +16,10 @@ class CheckpointError(RuntimeError):
     """Base class of dcpx's checkpoint errors."""
 
 
-class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
+class IncompleteCheckpointError(FileNotFoundError, CheckpointError):
     """The checkpoint directory has no committed metadata: it does not exist,
-    was never finished, or its save was interrupted before the commit."""
+    was never finished, or its save was interrupted before the commit.
+    (FileNotFoundError first, so that errno and filename are kept.)"""
 
 
 class CorruptCheckpointError(CheckpointError):

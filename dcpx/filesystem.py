@@ -28,6 +28,7 @@ import io
 import os
 import re
 import uuid
+import zipfile
 from concurrent.futures import Future as _PyFuture
 from pathlib import Path
 from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
@@ -361,6 +362,16 @@ class FileSystemWriter(StorageWriter):
                     pass
 
 
+def check_zip_crcs(raw: bytes, where: str) -> None:
+    """CRC-check every record of a torch.save archive held in memory."""
+    try:
+        bad = zipfile.ZipFile(io.BytesIO(raw)).testzip()
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
+        raise CorruptCheckpointError(f"{where}: bad zip archive: {e}") from None
+    if bad is not None:
+        raise CorruptCheckpointError(f"{where}: record {bad} fails its CRC-32")
+
+
 class _TensorRead(NamedTuple):
     key: str
     info: _StorageInfo
@@ -523,6 +534,8 @@ class FileSystemReader(StorageReader):
             data = f.read(info.length)
         if len(data) != info.length:
             raise CorruptCheckpointError(f"{path}: key {key!r}: file is truncated")
+        if self.verify:
+            check_zip_crcs(data, f"{path}: key {key!r}")
         if not self.allow_pickle:
             try:
                 torch.load(io.BytesIO(data), weights_only=True)

@@ -169,7 +169,8 @@ class Checkpointer:
         self.pending.result()  # re-raises a failed upload
         self.pending, rec = None, self.rec
         path = self.root / f"step_{rec['step']:06d}"
-        rec["upload_ms"] = 1e3 * (rec.pop("t_done") - rec.pop("t_start"))
+        # result() can return before the done-callback ran; then "now" is the completion time
+        rec["upload_ms"] = 1e3 * (rec.pop("t_done", None) or time.perf_counter()) - 1e3 * rec.pop("t_start")
         rec["bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         say(f"  [ckpt] step {rec['step']:3d}: committed {path.name} ({rec['bytes'] / 2**20:.1f} MiB), "
             f"upload finished {rec['upload_ms']:.0f} ms after async_save returned")

@@ -1,0 +1,195 @@
+"""Shared helpers for the dcpx test suite.
+
+Everything compares tensors *bit for bit*: a checkpoint must give back the
+exact bytes that were saved, including NaN payloads, signalling NaNs and
+negative zeros, which ``torch.equal`` would treat loosely (NaN != NaN) or
+not at all (-0.0 == 0.0).
+"""
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from typing import Any, Iterable, Optional
+
+import pytest
+import torch
+
+import dcpx
+
+# --------------------------------------------------------------------------
+# dtypes, enumerated from torch itself so that a new torch dtype is picked up
+# (and tested) without editing the suite.
+
+ALL_DTYPES: list[torch.dtype] = sorted(
+    {v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def is_quantized_dtype(dtype: torch.dtype) -> bool:
+    """qint8 & co.: tensors of these dtypes are quantized tensors, which DCP
+    does not store as plain data (test_errors covers them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "quantized creation is deprecated"
+        return torch.empty(1, dtype=dtype).is_quantized
+
+
+def torch_save_supports(dtype: torch.dtype) -> bool:
+    """Whether ``torch.save`` can store a tensor of ``dtype``."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.save(torch.empty(2, dtype=dtype), io.BytesIO())
+        return True
+    except Exception:
+        return False
+
+
+PLAIN_DTYPES = [d for d in ALL_DTYPES if not is_quantized_dtype(d)]
+#: every dtype torch.save can store: dcpx must round-trip all of them
+SAVEABLE_DTYPES = [d for d in PLAIN_DTYPES if torch_save_supports(d)]
+#: dtypes torch.save refuses (sub-byte ints): dcpx must refuse them too
+UNSAVEABLE_DTYPES = [d for d in PLAIN_DTYPES if not torch_save_supports(d)]
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------
+# bit-exact comparison
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """The tensor's elements in row-major order, as raw bytes.  Uses only
+    torch and numpy (not dcpx): a same-size integer view of the tensor (legal
+    for any strides) handed to numpy, whose tobytes() walks it in C order."""
+    t = t.detach()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if t.element_size() == 16:  # complex128: two float64s per element
+        t = torch.view_as_real(t)
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy().tobytes()
+
+
+def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Same dtype, same shape and the very same bytes."""
+    where = f" ({what})" if what else ""
+    assert isinstance(actual, torch.Tensor), f"not a tensor{where}: {type(actual)}"
+    assert actual.dtype == expected.dtype, f"dtype{where}: {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"shape{where}: {actual.shape} != {expected.shape}"
+    a, e = raw_bytes(actual), raw_bytes(expected)
+    if a != e:
+        diff = next(i for i in range(min(len(a), len(e))) if a[i] != e[i])
+        raise AssertionError(f"bytes differ{where}: first difference at byte {diff} "
+                             f"of {len(e)}")
+
+
+def assert_state_bit_equal(actual: Any, expected: Any, path: str = "") -> None:
+    """Recursively compare nested state dicts; tensors bit-exactly, other
+    values with ==."""
+    if isinstance(expected, torch.Tensor):
+        assert_bit_equal(actual, expected, path)
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict), f"{path}: {type(actual)} is not a dict"
+        assert set(actual) == set(expected), f"{path}: keys {set(actual)} != {set(expected)}"
+        for k in expected:
+            assert_state_bit_equal(actual[k], expected[k], f"{path}.{k}" if path else str(k))
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{path}: length differs"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_state_bit_equal(a, e, f"{path}[{i}]")
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+# --------------------------------------------------------------------------
+# random tensors of any dtype
+
+_SPECIALS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1.0, -1.5, 1e-40]
+
+
+def make_tensor(shape: Iterable[int], dtype: torch.dtype,
+                gen: Optional[torch.Generator] = None, specials: bool = True) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` and ``dtype`` filled with random bytes
+    (so floats include arbitrary NaN payloads and denormals).  Floating and
+    complex dtypes also get NaN / inf / -0.0 in their first elements.
+
+    bool is the exception: only the bytes 0 and 1 are valid bools (torch's
+    own copy kernels normalise other bytes), so bools are random 0/1.
+    """
+    shape = tuple(shape)
+    gen = gen if gen is not None else torch.Generator().manual_seed(0)
+    numel = 1
+    for n in shape:
+        numel *= n
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8).bool()
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), generator=gen, dtype=torch.uint8)
+    t = raw.view(dtype).reshape(shape)
+    if specials and numel and (dtype.is_floating_point or dtype.is_complex):
+        k = min(numel, len(_SPECIALS))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                vals = torch.tensor(_SPECIALS[:k], dtype=torch.float64).to(dtype)
+            t.view(-1)[:k] = vals
+        except (RuntimeError, TypeError):
+            pass  # dtypes torch cannot convert to (float4, ...): random bytes only
+    return t
+
+
+# --------------------------------------------------------------------------
+# checkpoint helpers
+
+def data_files(path: os.PathLike) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+
+
+def empty_like_state(state: Any) -> Any:
+    """A destination state dict of the same structure: tensors of the same
+    shape and dtype (zeroed bytes), non-tensor leaves replaced by None."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros(state.numel() * state.element_size(),
+                           dtype=torch.uint8).view(state.dtype).reshape(state.shape)
+    if isinstance(state, dict):
+        return {k: empty_like_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [empty_like_state(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(empty_like_state(v) for v in state)
+    return None
+
+
+def resolved(state: Any) -> Any:
+    """What a load gives back for ``state``: tensors as plain contiguous
+    copies (conj / neg views resolved), other values as they are."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().resolve_conj().resolve_neg().contiguous().clone()
+    if isinstance(state, dict):
+        return {k: resolved(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [resolved(v) for v in state]
+    if isinstance(state, tuple):
+        return tuple(resolved(v) for v in state)
+    return state
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> str:
+    """A path for a checkpoint directory (not yet created)."""
+    return str(tmp_path / "ckpt")
+
+
+def fast_writer(path, **kw) -> dcpx.FileSystemWriter:
+    """A writer without fsync, for tests that save many times."""
+    kw.setdefault("sync_files", False)
+    return dcpx.FileSystemWriter(path, **kw)
