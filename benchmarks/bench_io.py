@@ -274,11 +274,8 @@ def machine_info(workdir, dcpx_mod, dcpx_err):
         for dev, mnt, typ, *_ in (l.split() for l in f):
             if (real + "/").startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(fs[1]):
                 fs = (dev, mnt, typ)
-    try:
-        git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
-                             text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        git = "?"
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
@@ -311,15 +308,12 @@ def render(results, meta, md):
         line = lambda r: "  ".join(str(x).ljust(n) for x, n in zip(r, w)).rstrip()
         return [line(header), line(["-" * n for n in w])] + [line(r) for r in rows]
 
-    out = []
     h = (lambda s, lvl: ("#" * lvl + " " + s) if md else f"== {s} ==")
-    out.append(h("dcpx I/O benchmark", 1))
-    out.append("")
-    out.append(("`" if md else "") + meta["command"] + ("`" if md else ""))
-    out.append("")
+    q = "`" if md else ""
+    out = [h("dcpx I/O benchmark", 1), "", q + meta["command"] + q, ""]
     keys = ["date", "hostname", "cpu", "cores", "ram", "bench_dir", "fs_type", "fs_device", "kernel",
             "python", "torch", "numpy", "torch_threads", "dcpx", "git", "read_mode", "thread_count",
-            "repeat", "peak_rss_gib", "loadavg_start", "loadavg_end", "free_page_reporting"]
+            "repeat", "peak_rss_gib", "free_page_reporting"]
     out += table(["machine / setting", "value"], [[k, str(meta.get(k))] for k in keys])
     for name, res in results.items():
         out += ["", h(f"({'a' if name == 'large' else 'b'}) {name}: {res['n_tensors']} tensors, "
@@ -390,7 +384,7 @@ def main(argv=None):
                 cwd=os.getcwd(), read_mode="cold (page cache dropped before each read)"
                 if args.drop_caches else "warm (page cache NOT dropped; reads come from RAM)",
                 thread_count=args.thread_count if args.thread_count is not None else "default",
-                repeat=args.repeat, args=vars(args), loadavg_start=os.getloadavg())
+                repeat=args.repeat, args=vars(args))
     results = {}
     try:
         for name in (["large", "small"] if args.which == "both" else [args.which]):
@@ -401,7 +395,6 @@ def main(argv=None):
             gc.collect()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    meta["loadavg_end"] = os.getloadavg()
     meta["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
 
     print(render(results, meta, md=False))
