@@ -55,6 +55,25 @@ def dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: dtypes torch.save stores but dcpx does not (yet): each is a reported bug,
+#: and its tests are strict xfails (they start failing once it is fixed).
+KNOWN_BROKEN: dict = {}
+if hasattr(torch, "float4_e2m1fn_x2"):
+    KNOWN_BROKEN[torch.float4_e2m1fn_x2] = (
+        "BUG: float4_e2m1fn_x2 (DLPack exports it as bits=4, lanes=2) is refused by "
+        "the C core's fill_view ('unsupported DLPack dtype (code 17, bits 4, lanes 2)', "
+        "a TypeError that does not name the key) on save and on load, although "
+        "torch.save and torch DCP store it; _dtypes._needs_int_view only routes "
+        "dtypes whose __dlpack__ raises through the uint8 view")
+
+
+def dtype_params(dtypes):
+    """pytest params for ``dtypes``, known-broken ones as strict xfails."""
+    return [pytest.param(d, id=dtype_id(d), marks=pytest.mark.xfail(
+                reason=KNOWN_BROKEN[d], strict=True)) if d in KNOWN_BROKEN
+            else pytest.param(d, id=dtype_id(d)) for d in dtypes]
+
+
 # --------------------------------------------------------------------------
 # bit-exact comparison
 
