@@ -224,7 +224,10 @@ static int read_one(rjob *job, ritem *it, scratch *s)
     /* The bytes: from the buffer, or pread straight into the tensor. */
     uint64_t at = data_lho + doff;
     uint32_t crc = 0;
-    if (L <= WHOLE_MAX) {
+    if (data_len == 0) {
+        /* empty tensor: its data pointer may be NULL */
+    }
+    else if (L <= WHOLE_MAX) {
         memcpy(it->dest.data, s->buf + at, data_len);
         if (job->verify)
             crc = dcpx_crc32(0, it->dest.data, data_len);

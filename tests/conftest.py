@@ -197,6 +197,55 @@ def resolved(state: Any) -> Any:
     return state
 
 
+def item_slices(path, metadata):
+    """(key, bytes of the item's archive, its offset in its file) per item,
+    found through the metadata's storage_data."""
+    files: dict = {}
+    for index, info in metadata.storage_data.items():
+        if info.relative_path not in files:
+            with open(os.path.join(path, info.relative_path), "rb") as f:
+                files[info.relative_path] = f.read()
+        raw = files[info.relative_path][info.offset:info.offset + info.length]
+        assert len(raw) == info.length
+        yield index.fqn, raw, info.offset
+
+
+def member_data_offset(raw: bytes, name_suffix: str) -> tuple:
+    """(offset, length) of the data of the zip member whose name ends with
+    ``name_suffix``, within the archive bytes ``raw`` (from its local
+    header, as a zip reader finds it)."""
+    import struct
+    import zipfile
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        [zinfo] = [m for m in z.infolist() if m.filename.endswith(name_suffix)]
+    header = raw[zinfo.header_offset:zinfo.header_offset + 30]
+    assert header[:4] == b"PK\x03\x04"
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return zinfo.header_offset + 30 + name_len + extra_len, zinfo.file_size
+
+
+def locate(path, metadata, key: str, member: str = "/data/0") -> tuple:
+    """(data file path, file offset, length) of one zip member of ``key``'s
+    record: ``/data/0`` is a tensor's bytes, ``/data.pkl`` its pickle."""
+    for index, info in metadata.storage_data.items():
+        if index.fqn == key:
+            file = os.path.join(path, info.relative_path)
+            with open(file, "rb") as f:
+                f.seek(info.offset)
+                raw = f.read(info.length)
+            off, length = member_data_offset(raw, member)
+            return file, info.offset + off, length
+    raise KeyError(key)
+
+
+def flip_byte(file, offset: int, mask: int = 0x10) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)

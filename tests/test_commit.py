@@ -22,7 +22,10 @@ import dcpx
 import dcpx.filesystem
 from conftest import assert_state_bit_equal, data_files, empty_like_state, make_tensor
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning"),
+]
 
 
 def state_v(version: int, gen) -> dict:

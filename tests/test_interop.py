@@ -8,7 +8,6 @@ check out, and every tensor's bytes start 64-byte aligned in the file.
 """
 import io
 import os
-import struct
 import warnings
 import zipfile
 
@@ -24,7 +23,9 @@ from conftest import (
     dtype_id,
     dtype_params,
     empty_like_state,
+    item_slices,
     make_tensor,
+    member_data_offset,
     resolved,
 )
 
@@ -162,26 +163,6 @@ def test_dcpx_reads_torch_metadata(tmp_path, gen):
 # --------------------------------------------------------------------------
 # the data files: zip archives, CRCs, alignment
 
-def item_slices(path, metadata):
-    """(key, bytes of the item's archive, its offset in its file) per item."""
-    files = {}
-    for index, info in metadata.storage_data.items():
-        if info.relative_path not in files:
-            with open(os.path.join(path, info.relative_path), "rb") as f:
-                files[info.relative_path] = f.read()
-        raw = files[info.relative_path][info.offset:info.offset + info.length]
-        assert len(raw) == info.length
-        yield index.fqn, raw, info.offset
-
-
-def local_data_offset(raw: bytes, zinfo: zipfile.ZipInfo) -> int:
-    """Offset of a member's data in the archive, from its local header."""
-    header = raw[zinfo.header_offset:zinfo.header_offset + 30]
-    assert header[:4] == b"PK\x03\x04"
-    name_len, extra_len = struct.unpack("<HH", header[26:30])
-    return zinfo.header_offset + 30 + name_len + extra_len
-
-
 @pytest.mark.parametrize("writer_kw", [{}, {"thread_count": 3}, {"single_file_per_rank": False}],
                          ids=["default", "3-threads", "file-per-item"])
 def test_every_item_is_a_valid_zip_with_aligned_tensor_data(tmp_path, gen, writer_kw):
@@ -197,8 +178,8 @@ def test_every_item_is_a_valid_zip_with_aligned_tensor_data(tmp_path, gen, write
             assert all(m.compress_type == zipfile.ZIP_STORED for m in members)
             data = [m for m in members if m.filename.endswith("/data/0")]
             if key in tensor_keys:
-                [member] = data
-                start = file_offset + local_data_offset(raw, member)
+                assert len(data) == 1
+                start = file_offset + member_data_offset(raw, "/data/0")[0]
                 assert start % 64 == 0, f"{key}: tensor data at file offset {start}"
             # and torch itself can load every record on its own
             value = torch.load(io.BytesIO(raw), weights_only=True)
