@@ -157,9 +157,26 @@ def plan_local_save(writer: FileSystemWriter, flat: dict, mappings: dict,
     return metadata, pending
 
 
+def _default_planner(planner) -> bool:
+    """None, or torch's default planner with default settings (as user code
+    often passes it explicitly): dcpx's fast path does exactly its job."""
+    if planner is None:
+        return True
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        DefaultSavePlanner,
+    )
+    if type(planner) is DefaultSavePlanner:
+        return (planner.flatten_state_dict and planner.flatten_sharded_tensors
+                and not getattr(planner, "_enable_plan_caching", False))
+    if type(planner) is DefaultLoadPlanner:
+        return planner.flatten_state_dict and planner.flatten_sharded_tensors
+    return False
+
+
 def fast_path_eligible(storage_writer, planner, no_dist: bool) -> bool:
     """dcpx plans the save itself: one process, default planner, dcpx storage."""
-    return (planner is None and not _dist_in_use(no_dist)
+    return (_default_planner(planner) and not _dist_in_use(no_dist)
             and isinstance(storage_writer, FileSystemWriter))
 
 
@@ -206,7 +223,8 @@ def save(
 
 # --------------------------------------------------------------------- load
 
-def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader) -> None:
+def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
+               allow_partial_load: bool = False) -> None:
     """Fast single-process load of a flattened state dict, in place."""
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
@@ -217,6 +235,8 @@ def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRea
     for fqn, obj in flat.items():
         md = sdm.get(fqn)
         if md is None:
+            if allow_partial_load:
+                continue
             raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
         if isinstance(md, BytesStorageMetadata):
             byte_keys.append(fqn)
@@ -274,13 +294,14 @@ def load(
     stateful_sd = {k: (state_dict[k].state_dict() if is_stateful(state_dict[k])
                        else state_dict[k]) for k in keys}
     flat, mappings = flatten_state_dict(stateful_sd)
-    fast = (planner is None and not _dist_in_use(no_dist)
+    fast = (_default_planner(planner) and not _dist_in_use(no_dist)
             and isinstance(reader, FileSystemReader)
             and all(_is_plain_tensor(v) or not isinstance(v, torch.Tensor)
                     for v in flat.values()))
     if fast:
         with paused_gc():
-            _load_flat(flat, mappings, stateful_sd, reader)
+            _load_flat(flat, mappings, stateful_sd, reader,
+                       allow_partial_load=getattr(planner, "allow_partial_load", False))
     else:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

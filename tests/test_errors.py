@@ -27,6 +27,8 @@ from conftest import (
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning"),
     pytest.mark.filterwarnings("ignore:.*quantize.*deprecated:UserWarning"),
+    pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning"),
+    pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning"),
 ]
 
 
@@ -68,9 +70,18 @@ def _quantized():
                      "in _api.plan_local_save before tensor_payload()'s nested check, so "
                      "save raises torch's RuntimeError 'NestedTensorImpl doesn't support "
                      "sizes' without naming the key"))),
+    pytest.param(lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)],
+                                                    layout=torch.jagged),
+                 TypeError, "nested", marks=pytest.mark.xfail(strict=True, reason=(
+                     "BUG: a jagged nested tensor is a tensor subclass, so dcpx.save hands "
+                     "the state dict to torch's generic DCP path, which fails deep in its "
+                     "planner (AttributeError: 'NestedIntNode' object has no attribute "
+                     "'add', wrapped in torch's CheckpointException, a BaseException) "
+                     "without naming the key"))),
     (_quantized, TypeError, "quantized"),
     (lambda: torch.zeros(4, dtype=torch.uint3), TypeError, "uint3"),
-], ids=["sparse-coo", "sparse-csr", "meta", "nested", "quantized", "sub-byte-dtype"])
+], ids=["sparse-coo", "sparse-csr", "meta", "nested", "nested-jagged", "quantized",
+        "sub-byte-dtype"])
 def test_unsupported_tensors_are_refused_naming_the_key(make, exc, words, ckpt):
     state = {"ok": torch.ones(100), "model": {"odd": make()}, "after": torch.ones(3)}
     with pytest.raises(exc, match=rf"'model\.odd'.*{words}"):
