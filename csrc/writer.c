@@ -307,8 +307,13 @@ static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial)
     }
     PyObject *tensor;
     const char *stype;
-    if (!PyTuple_Check(obj) ||
-        !PyArg_ParseTuple(obj, "Os;dcpx: item must be bytes or (tensor, "
+    if (!PyTuple_Check(obj)) {
+        PyErr_Format(PyExc_TypeError,
+                     "dcpx: item must be bytes or (tensor, storage_type), "
+                     "not %.200s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if (!PyArg_ParseTuple(obj, "Os;dcpx: item must be bytes or (tensor, "
                                "storage_type)", &tensor, &stype))
         return -1;
     if (dcpx_view_from_object(tensor, &it->view, 0) < 0)

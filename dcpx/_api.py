@@ -135,9 +135,9 @@ def plan_local_save(writer: FileSystemWriter, flat: dict, mappings: dict,
     entries = []
     for fqn, obj in flat.items():
         if isinstance(obj, torch.Tensor):
+            payload = prepare(obj, fqn)  # first: it refuses what has no metadata
             md = _metadata.tensor_metadata(obj, pinned and obj.is_pinned())
             sdm[fqn] = md
-            payload = prepare(obj, fqn)
             entries.append(_Entry(MetadataIndex(fqn, md.chunks[0].offsets, 0), payload,
                                   obj.numel() * obj.element_size()))
         else:
@@ -185,8 +185,11 @@ def fast_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
     if not fast_path_eligible(storage_writer, planner, no_dist):
         return None
     flat, mappings = flatten_state_dict(_stateful_to_state_dict(state_dict))
-    if not all(_is_plain_tensor(v) or not isinstance(v, torch.Tensor) for v in flat.values()):
-        return None
+    for key, v in flat.items():
+        if isinstance(v, torch.Tensor) and not _is_plain_tensor(v):
+            if v.is_nested:  # jagged nested tensors are subclasses
+                raise TypeError(f"dcpx: cannot save {key!r}: nested tensors are not supported")
+            return None
     return flat, mappings
 
 

@@ -164,10 +164,11 @@ class PendingWrite:
         return self.results
 
     def discard(self) -> None:
+        """Best effort: never let cleanup hide the error that caused it."""
         for p in self.paths:
             try:
                 os.unlink(p)
-            except FileNotFoundError:
+            except OSError:
                 pass
 
 

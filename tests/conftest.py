@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import warnings
+import zipfile
 from typing import Any, Iterable, Optional
 
 import pytest
@@ -57,14 +59,9 @@ def dtype_id(dtype: torch.dtype) -> str:
 
 #: dtypes torch.save stores but dcpx does not (yet): each is a reported bug,
 #: and its tests are strict xfails (they start failing once it is fixed).
+#: Empty now: float4_e2m1fn_x2 (DLPack: 4 bits x 2 lanes) goes through a
+#: uint8 view since it was found here.
 KNOWN_BROKEN: dict = {}
-if hasattr(torch, "float4_e2m1fn_x2"):
-    KNOWN_BROKEN[torch.float4_e2m1fn_x2] = (
-        "BUG: float4_e2m1fn_x2 (DLPack exports it as bits=4, lanes=2) is refused by "
-        "the C core's fill_view ('unsupported DLPack dtype (code 17, bits 4, lanes 2)', "
-        "a TypeError that does not name the key) on save and on load, although "
-        "torch.save and torch DCP store it; _dtypes._needs_int_view only routes "
-        "dtypes whose __dlpack__ raises through the uint8 view")
 
 
 def dtype_params(dtypes):
@@ -165,6 +162,7 @@ def make_tensor(shape: Iterable[int], dtype: torch.dtype,
 # checkpoint helpers
 
 def data_files(path: os.PathLike) -> list[str]:
+    """The checkpoint's data files (``*.distcp``), sorted."""
     return sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
 
 
@@ -214,8 +212,6 @@ def member_data_offset(raw: bytes, name_suffix: str) -> tuple:
     """(offset, length) of the data of the zip member whose name ends with
     ``name_suffix``, within the archive bytes ``raw`` (from its local
     header, as a zip reader finds it)."""
-    import struct
-    import zipfile
     with zipfile.ZipFile(io.BytesIO(raw)) as z:
         [zinfo] = [m for m in z.infolist() if m.filename.endswith(name_suffix)]
     header = raw[zinfo.header_offset:zinfo.header_offset + 30]
@@ -239,6 +235,7 @@ def locate(path, metadata, key: str, member: str = "/data/0") -> tuple:
 
 
 def flip_byte(file, offset: int, mask: int = 0x10) -> None:
+    """XOR one byte of a file in place."""
     with open(file, "r+b") as f:
         f.seek(offset)
         b = f.read(1)

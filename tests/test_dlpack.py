@@ -14,7 +14,6 @@ Python reference, so ``sys.getrefcount`` alone shows a leak or a double
 release.
 """
 import errno
-import os
 import sys
 
 import pytest
@@ -381,10 +380,6 @@ def test_write_job_error_after_a_good_tensor_releases_it(tmp_path, bad_item):
     assert not (tmp_path / "a").exists()  # construction never writes
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: WriteJob with an item that is neither bytes nor a tuple returns NULL "
-    "without setting an exception (SystemError) instead of a TypeError: "
-    "add_item() in csrc/writer.c returns -1 when !PyTuple_Check(obj)"))
 def test_write_job_rejects_a_non_tuple_item_with_type_error(tmp_path):
     with pytest.raises(TypeError, match="bytes or \\(tensor, storage_type\\)"):
         _C.WriteJob([(str(tmp_path / "a"), [12345])], sync_files=False)

@@ -64,20 +64,11 @@ def _quantized():
     (lambda: torch.randn(4, 4).to_sparse(), TypeError, "sparse_coo"),
     (lambda: torch.randn(4, 4).to_sparse_csr(), TypeError, "sparse_csr"),
     (lambda: torch.empty(3, 3, device="meta"), ValueError, "meta"),
-    pytest.param(lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
-                 TypeError, "nested", marks=pytest.mark.xfail(strict=True, reason=(
-                     "BUG: a nested tensor reaches _metadata.tensor_metadata() (t.size()) "
-                     "in _api.plan_local_save before tensor_payload()'s nested check, so "
-                     "save raises torch's RuntimeError 'NestedTensorImpl doesn't support "
-                     "sizes' without naming the key"))),
-    pytest.param(lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)],
-                                                    layout=torch.jagged),
-                 TypeError, "nested", marks=pytest.mark.xfail(strict=True, reason=(
-                     "BUG: a jagged nested tensor is a tensor subclass, so dcpx.save hands "
-                     "the state dict to torch's generic DCP path, which fails deep in its "
-                     "planner (AttributeError: 'NestedIntNode' object has no attribute "
-                     "'add', wrapped in torch's CheckpointException, a BaseException) "
-                     "without naming the key"))),
+    (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+     TypeError, "nested"),
+    (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)],
+                                        layout=torch.jagged),
+     TypeError, "nested"),
     (_quantized, TypeError, "quantized"),
     (lambda: torch.zeros(4, dtype=torch.uint3), TypeError, "uint3"),
 ], ids=["sparse-coo", "sparse-csr", "meta", "nested", "nested-jagged", "quantized",

@@ -36,6 +36,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*ComplexHalf support is experimental:UserWarning"),
 ]
 
+
 def roundtrip(state, path, **writer_kw):
     """Save ``state``, load it into a zeroed copy of its structure, return
     the loaded copy."""
