@@ -183,6 +183,7 @@ extern PyType_Spec dcpx_writejob_spec;
 PyObject *dcpx_read_items(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_probe_tensor(PyObject *module, PyObject *obj);
 PyObject *dcpx_copy_into(PyObject *module, PyObject *args, PyObject *kwds);
+PyObject *dcpx_prefault(PyObject *module, PyObject *args, PyObject *kwds);
 
 /* Turn (errno, what, path) into an OSError naming the file. */
 void dcpx_set_oserror(int err, const char *what, const char *path);

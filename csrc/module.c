@@ -184,7 +184,14 @@ PyDoc_STRVAR(copy_doc,
              "Copy each (src, dst) tensor pair, src strided or not, into its "
              "contiguous host destination, on C threads without the GIL.");
 
+PyDoc_STRVAR(prefault_doc,
+             "prefault($module, tensor, threads=1)\n--\n\n"
+             "Fault in every page of a contiguous CPU tensor's memory (a new "
+             "staging buffer) without the GIL.");
+
 static PyMethodDef dcpx_methods[] = {
+    {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
+     METH_VARARGS | METH_KEYWORDS, prefault_doc},
     {"copy_into", (PyCFunction)(void (*)(void))dcpx_copy_into,
      METH_VARARGS | METH_KEYWORDS, copy_doc},
     {"crc32", dcpx_crc32_py, METH_VARARGS, crc32_doc},

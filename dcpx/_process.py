@@ -19,6 +19,7 @@ import mmap
 import multiprocessing as mp
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any, Optional
@@ -45,7 +46,8 @@ class _Worker:
                                 name="dcpx-checkpoint-process")
         self.proc.start()
         child.close()
-        self.sent_buffers: dict[int, int] = {}   # id(buffer) -> buffer number
+        # Buffers whose memfd the worker has: serial -> weakref to the buffer.
+        self.sent_buffers: dict[int, weakref.ref] = {}
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dcpx-process-upload")
 
     def run(self, staged, stager, writer) -> Any:
@@ -58,15 +60,19 @@ class _Worker:
             self.conn.send(("values", config, staged))
         else:
             buf = layout.buffer
-            number = self.sent_buffers.get(id(buf))
-            if number is None:
-                number = self.sent_buffers[id(buf)] = len(self.sent_buffers) + 1
-                self.conn.send(("buffer", number, buf.size))
+            # Buffers are identified by a serial number, never by id(): a new
+            # buffer may reuse a freed one's address.
+            self.sent_buffers = {n: r for n, r in self.sent_buffers.items()
+                                 if r() is not None and r().fd >= 0}
+            if buf.serial not in self.sent_buffers:
+                self.conn.send(("buffer", buf.serial, buf.size))
                 send_handle(self.conn, buf.fd, self.proc.pid)
+                self.sent_buffers[buf.serial] = weakref.ref(buf)
             tensors = [(k, layout.offsets[k], str(v.dtype).removeprefix("torch."),
                         tuple(v.shape), v.requires_grad) for k, v in layout.dst.items()]
             values = {k: v for k, v in layout.flat.items() if k not in layout.dst}
-            self.conn.send(("staged", config, number, tensors, values, layout.mappings))
+            self.conn.send(("staged", config, buf.serial, tensors, values, layout.mappings,
+                            sorted(self.sent_buffers)))
         try:
             status, result = self.conn.recv()
         except EOFError:
@@ -121,14 +127,16 @@ def _worker_main(conn) -> None:
             fd = recv_handle(conn)
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
             os.close(fd)
-            buffers = {number: torch.frombuffer(mm, dtype=torch.uint8)}  # older ones are done
+            buffers[number] = torch.frombuffer(mm, dtype=torch.uint8)
             continue
         try:
             if kind == "values":
                 _, config, staged = msg
                 result = save(staged, storage_writer=FileSystemWriter(**config))
             else:
-                _, config, number, tensors, values, mappings = msg
+                _, config, number, tensors, values, mappings, live = msg
+                for gone in set(buffers) - set(live):  # freed by the parent
+                    del buffers[gone]
                 result = _save_views(FileSystemWriter(**config), buffers[number],
                                      tensors, values, mappings)
             conn.send(("ok", result))

@@ -80,8 +80,9 @@ def _check_dir(path: Path, create: bool) -> None:
         path.mkdir(parents=True, exist_ok=True)
 
 
-def tensor_payload(t: torch.Tensor, key: str) -> tuple:
-    """(tensor, storage type) for the C writer, or a clear error naming key."""
+def check_saveable(t: torch.Tensor, key: str) -> str:
+    """The storage type name of a tensor dcpx can save, or a clear error
+    naming the key."""
     if t.layout != torch.strided:
         raise TypeError(f"dcpx: cannot save {key!r}: {t.layout} tensors are not "
                         f"supported (convert with .to_dense())")
@@ -93,9 +94,14 @@ def tensor_payload(t: torch.Tensor, key: str) -> tuple:
         raise ValueError(f"dcpx: cannot save {key!r}: it is on the meta device "
                          f"and has no data")
     try:
-        stype = storage_type_name(t.dtype)
+        return storage_type_name(t.dtype)
     except TypeError as e:
         raise TypeError(f"dcpx: cannot save {key!r}: {e}") from None
+
+
+def tensor_payload(t: torch.Tensor, key: str) -> tuple:
+    """(tensor, storage type) for the C writer, or a clear error naming key."""
+    stype = check_saveable(t, key)
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")

@@ -25,6 +25,7 @@ and ignored on a machine without it.
 from __future__ import annotations
 
 import copy
+import itertools
 import mmap
 import os
 import threading
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint._traverse import set_element
 
 from . import _C
 from ._dtypes import dlpack_view
+from .filesystem import check_saveable
 
 __all__ = ["StagingOptions", "DefaultStager"]
 
@@ -63,21 +65,26 @@ class _Buffer:
     """One host allocation: page-aligned, pre-faulted, optionally shared
     and pinned."""
 
+    _serials = itertools.count(1)
+
     def __init__(self, nbytes: int, shared: bool, pin: bool) -> None:
         self.nbytes = nbytes
+        self.serial = next(self._serials)  # identity for the checkpoint process
         self.size = size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
-        populate = getattr(mmap, "MAP_POPULATE", 0)  # pre-fault: no faults while staging
         self.fd = -1
         if shared and hasattr(os, "memfd_create"):
             # A memfd, so that a checkpoint process can map the same pages
             # (its fd travels over the worker's pipe).
             self.fd = os.memfd_create("dcpx-staging", os.MFD_CLOEXEC)
             os.ftruncate(self.fd, size)
-            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | populate)
+            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
         else:
-            flags = (mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE) | populate
+            flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
             self.mm = mmap.mmap(-1, size, flags=flags)
         self.base = torch.frombuffer(self.mm, dtype=torch.uint8)
+        # Pre-fault (no page faults while staging) in C without the GIL:
+        # MAP_POPULATE would do it inside mmap() with the GIL held.
+        _C.prefault(self.base, threads=_copy_threads())
         self.pinned = False
         if pin:
             rc = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), size, 0)
@@ -228,6 +235,9 @@ class DefaultStager:
 
     def _stage(self, state_dict: dict) -> dict:
         flat, mappings = flatten_state_dict(state_dict)
+        for k, v in flat.items():
+            if isinstance(v, torch.Tensor):
+                check_saveable(v, k)  # the errors dcpx.save gives, naming the key
         with self._lock:
             layout = self._layout
             if layout is None or layout.signature != _signature(flat):
@@ -238,7 +248,7 @@ class DefaultStager:
                 layout = self._layout = _Layout(flat, mappings,
                                                 self._config.use_shared_memory, pin)
                 self.alloc_count += 1
-            host_pairs, cuda_pairs = [], []
+            host_pairs, cuda_pairs, other_pairs = [], [], []
             for k, v in flat.items():
                 dst = layout.dst.get(k)
                 if dst is None:
@@ -246,11 +256,15 @@ class DefaultStager:
                     set_element(layout.state_dict, mappings[k], value)
                 elif v.device.type == "cpu":
                     host_pairs.append((dlpack_view(v.detach()), dlpack_view(dst.detach())))
-                else:
+                elif v.device.type == "cuda":
                     cuda_pairs.append((v.detach(), dst))
+                else:  # other accelerators: torch's own copy
+                    other_pairs.append((v.detach(), dst))
             _C.copy_into(host_pairs, threads=_copy_threads())
             if cuda_pairs:
                 self._copy_from_devices(cuda_pairs)
+            for src, dst in other_pairs:
+                dst.detach().copy_(src)
             self.stage_count += 1
             return layout.state_dict
 
