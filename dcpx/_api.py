@@ -180,6 +180,20 @@ def fast_path_eligible(storage_writer, planner, no_dist: bool) -> bool:
             and isinstance(storage_writer, FileSystemWriter))
 
 
+def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
+               prepare=tensor_payload) -> Metadata:
+    """Plan, write and commit a flat single-process state dict.  The metadata
+    is encoded while the C threads write; the GIL is released while they
+    finish."""
+    with paused_gc():
+        metadata, pending = plan_local_save(writer, flat, mappings, prepare)
+        pending.start()
+        data = writer.encode_metadata(metadata)
+    pending.wait()
+    writer.commit(metadata, data)
+    return metadata
+
+
 def fast_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
     """(flat, mappings) when the fast path applies, else None."""
     if not fast_path_eligible(storage_writer, planner, no_dist):
@@ -210,13 +224,7 @@ def save(
     writer = _writer_for(storage_writer, checkpoint_id)
     fast = fast_path_state(state_dict, writer, planner, no_dist)
     if fast is not None:
-        with paused_gc():
-            metadata, pending = plan_local_save(writer, *fast)
-            pending.start()
-            data = writer.encode_metadata(metadata)  # overlaps the writing
-        pending.wait()
-        writer.commit(metadata, data)
-        return metadata
+        return save_local(writer, *fast)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         return _tdcp.save(state_dict, storage_writer=writer, planner=planner,

@@ -36,9 +36,8 @@ from ._api import (
     _writer_for,
     fast_path_eligible,
     fast_path_state,
-    paused_gc,
-    plan_local_save,
     save,
+    save_local,
 )
 from ._dtypes import dlpack_view, storage_type_name
 from .filesystem import FileSystemWriter
@@ -95,13 +94,7 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
         return save(staged, storage_writer=writer, planner=planner,
                     process_group=process_group, no_dist=no_dist,
                     use_collectives=use_collectives)
-    with paused_gc():
-        metadata, pending = plan_local_save(writer, *fast, prepare=_staged_payload)
-        pending.start()
-        data = writer.encode_metadata(metadata)
-    pending.wait()  # GIL released while the C threads write
-    writer.commit(metadata, data)
-    return metadata
+    return save_local(writer, *fast, prepare=_staged_payload)
 
 
 def async_save(

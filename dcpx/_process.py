@@ -148,7 +148,7 @@ def _worker_main(conn) -> None:
 
 
 def _save_views(writer, base: torch.Tensor, tensors, values, mappings):
-    from ._api import paused_gc, plan_local_save
+    from ._api import save_local
     from ._async import _staged_payload
     flat = dict(values)
     for key, offset, dtype, shape, requires_grad in tensors:
@@ -158,10 +158,4 @@ def _save_views(writer, base: torch.Tensor, tensors, values, mappings):
         if requires_grad:
             t.requires_grad_(True)
         flat[key] = t
-    with paused_gc():
-        metadata, pending = plan_local_save(writer, flat, mappings, prepare=_staged_payload)
-        pending.start()
-        data = writer.encode_metadata(metadata)
-    pending.wait()
-    writer.commit(metadata, data)
-    return metadata
+    return save_local(writer, flat, mappings, prepare=_staged_payload)
