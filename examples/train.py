@@ -137,6 +137,14 @@ class Checkpointer:
         self.dcp, self.root, self.log, self.phase = dcp, root, log, phase
         self.pending: Any = None  # upload future of the save in flight
         self.rec: dict[str, Any] = {}
+        # One stager for the whole run, as in PyTorch's async recipe: its staging
+        # buffers are allocated on the first save and reused by every later one.
+        # torch's stager refuses pinned memory / non-blocking copies without a GPU.
+        staging = importlib.import_module(dcp.__name__ + ".staging")
+        cuda = torch.cuda.is_available()
+        self.stager = staging.DefaultStager(staging.StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+            use_non_blocking_copy=cuda))
 
     @property
     def in_flight(self) -> bool:
@@ -146,7 +154,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         self.wait()  # like torch's recipe: the previous upload must finish before the next save
         t1 = time.perf_counter()
-        resp = self.dcp.async_save(state, checkpoint_id=str(self.root / f"step_{step:06d}"))
+        resp = self.dcp.async_save(state, checkpoint_id=str(self.root / f"step_{step:06d}"),
+                                   async_stager=self.stager)
         if hasattr(resp, "staging_completion"):  # AsyncSaveResponse: staging may still be running;
             resp.staging_completion.result()    # weights must not change until it is done
             upload = resp.upload_completion
@@ -266,6 +275,7 @@ def train_loop(args: argparse.Namespace, phase: int, app: AppState, ckpt: Checkp
             say(f"  !!! simulated crash after step {step}: SIGKILL to self (no cleanup, no final save)")
             os.kill(os.getpid(), signal.SIGKILL)
     ckpt.wait()
+    ckpt.stager.close()
     return worst
 
 
@@ -273,6 +283,8 @@ def summarize(root: Path, backend: str) -> None:
     ev = read_events(root)
     clean = [e["ms"] for e in ev if e["kind"] == "step" and not e["busy"]]
     busy = [e["ms"] for e in ev if e["kind"] == "step" and e["busy"]]
+    if not clean:
+        return
     med = statistics.median(clean)  # median: robust to the first (warm-up) steps and to noisy neighbours
     say(f"\n=== summary ({backend}) ===")
     say(f"  median step time, no save in flight:       {med:7.1f} ms  ({len(clean)} steps)")
@@ -297,6 +309,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phase", choices=["all", "train", "resume"], default="all", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not (args.ckpt_every >= 1 and 0 < args.crash_at < args.steps):
+        p.error("need --ckpt-every >= 1 and 0 < --crash-at < --steps")
     if args.phase != "all":
         return run_phase(args)
 
