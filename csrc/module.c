@@ -180,9 +180,10 @@ PyDoc_STRVAR(read_doc,
              "read (1 fallback, 2 corrupt, 3 I/O, 4 CRC mismatch).");
 
 PyDoc_STRVAR(copy_doc,
-             "copy_into($module, pairs, threads=1)\n--\n\n"
+             "copy_into($module, pairs, threads=1, base=None)\n--\n\n"
              "Copy each (src, dst) tensor pair, src strided or not, into its "
-             "contiguous host destination, on C threads without the GIL.");
+             "contiguous host destination, on C threads without the GIL.\n"
+             "With base (a contiguous host tensor), dst is a byte offset into it.");
 
 PyDoc_STRVAR(prefault_doc,
              "prefault($module, tensor, threads=1)\n--\n\n"

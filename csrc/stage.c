@@ -1,8 +1,11 @@
 /* copy_into: the staging copy.  Copies many source tensors into their
  * staging destinations with several C threads and the GIL released.
  *
- *   copy_into(pairs, threads=1)      pairs: [(src, dst), ...]
+ *   copy_into(pairs, threads=1)              pairs: [(src, dst), ...]
+ *   copy_into(pairs, threads=1, base=buf)    pairs: [(src, byte_offset), ...]
  *
+ * The second form (the stager's) takes the one destination buffer once, so
+ * each tensor costs one DLPack export instead of two.
  * Sources may be strided (gathered in row-major order); destinations must
  * be contiguous, writable host memory of the same byte size (the stager's
  * reused, pre-faulted buffers).  The work is cut into tasks of at most
@@ -57,14 +60,39 @@ static void run_copy(cjob *job, int nthreads)
         pthread_join(tids[i], NULL);
 }
 
-static int take_pair(PyObject *pair, dcpx_view *src, dcpx_view *dst)
+/* A destination given as a byte offset into `base` (the stager's buffer):
+ * a borrowed, contiguous view of the bytes [offset, offset + src->nbytes). */
+static int offset_view(const dcpx_view *base, PyObject *off,
+                       const dcpx_view *src, dcpx_view *dst)
+{
+    unsigned long long o = PyLong_AsUnsignedLongLong(off);
+    if (o == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    if (o > base->nbytes || src->nbytes > base->nbytes - o) {
+        PyErr_SetString(PyExc_ValueError,
+                        "dcpx: staging offset outside the buffer");
+        return -1;
+    }
+    memset(dst, 0, sizeof(*dst));
+    dst->data = base->data + o;
+    dst->itemsize = src->itemsize;
+    dst->numel = src->numel;
+    dst->nbytes = src->nbytes;
+    dst->device_type = base->device_type;
+    dst->contiguous = 1;
+    return 0; /* owns nothing: release is a no-op */
+}
+
+static int take_pair(PyObject *pair, const dcpx_view *base, dcpx_view *src,
+                     dcpx_view *dst)
 {
     PyObject *s, *d;
     if (!PyArg_ParseTuple(pair, "OO;dcpx: pair must be (src, dst)", &s, &d))
         return -1;
     if (dcpx_view_from_object(s, src, 0) < 0)
         return -1;
-    if (dcpx_view_from_object(d, dst, 1) < 0)
+    if (base != NULL ? offset_view(base, d, src, dst) < 0
+                     : dcpx_view_from_object(d, dst, 1) < 0)
         return -1;
     if ((src->device_type != DCPX_DL_CPU &&
          src->device_type != DCPX_DL_CUDA_HOST) ||
@@ -87,23 +115,39 @@ static int take_pair(PyObject *pair, dcpx_view *src, dcpx_view *dst)
 PyObject *dcpx_copy_into(PyObject *Py_UNUSED(module), PyObject *args,
                          PyObject *kwds)
 {
-    static char *kwlist[] = {"pairs", "threads", NULL};
-    PyObject *pairs, *fast = NULL, *out = NULL;
+    static char *kwlist[] = {"pairs", "threads", "base", NULL};
+    PyObject *pairs, *fast = NULL, *out = NULL, *base_obj = Py_None;
     int nthreads = 1;
     Py_ssize_t n = 0;
     cjob job;
+    dcpx_view base, *basep = NULL;
 
     memset(&job, 0, sizeof(job));
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|i", kwlist, &pairs,
-                                     &nthreads))
+    memset(&base, 0, sizeof(base));
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|iO", kwlist, &pairs,
+                                     &nthreads, &base_obj))
         return NULL;
     if (nthreads < 1 || nthreads > 64) {
         PyErr_SetString(PyExc_ValueError, "dcpx: threads must be in 1..64");
         return NULL;
     }
+    if (base_obj != Py_None) {
+        if (dcpx_view_from_object(base_obj, &base, 1) < 0)
+            return NULL;
+        basep = &base;
+        if (!base.contiguous || (base.device_type != DCPX_DL_CPU &&
+                                 base.device_type != DCPX_DL_CUDA_HOST)) {
+            dcpx_view_release(&base);
+            PyErr_SetString(PyExc_ValueError,
+                            "dcpx: base must be contiguous host memory");
+            return NULL;
+        }
+    }
     fast = PySequence_Fast(pairs, "dcpx: pairs must be a sequence");
-    if (fast == NULL)
+    if (fast == NULL) {
+        dcpx_view_release(&base);
         return NULL;
+    }
     n = PySequence_Fast_GET_SIZE(fast);
     job.src = PyMem_RawCalloc((size_t)n + 1, sizeof(dcpx_view));
     job.dst = PyMem_RawCalloc((size_t)n + 1, sizeof(dcpx_view));
@@ -113,7 +157,7 @@ PyObject *dcpx_copy_into(PyObject *Py_UNUSED(module), PyObject *args,
     }
     Py_ssize_t ntasks = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (take_pair(PySequence_Fast_GET_ITEM(fast, i), &job.src[i],
+        if (take_pair(PySequence_Fast_GET_ITEM(fast, i), basep, &job.src[i],
                       &job.dst[i]) < 0)
             goto done;
         ntasks += (Py_ssize_t)((job.src[i].nbytes + TASK - 1) / TASK);
@@ -147,6 +191,7 @@ done:
     PyMem_RawFree(job.dst);
     PyMem_RawFree(job.tasks);
     Py_DECREF(fast);
+    dcpx_view_release(&base);
     return out;
 }
 

@@ -14,8 +14,6 @@ Two paths, one format:
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import io
 import os
 import warnings
@@ -35,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _metadata
+from ._gc import paused_gc
 from .filesystem import (
     DCP_VERSION,
     FileSystemReader,
@@ -48,21 +47,6 @@ from .filesystem import (
 __all__ = ["save", "load"]
 
 _BYTES_MD = BytesStorageMetadata()
-
-
-@contextlib.contextmanager
-def paused_gc():
-    """Pause the cyclic GC while building or parsing tens of thousands of
-    metadata objects: otherwise its collections, triggered by the
-    allocations and scanning every live object, cost more than the work
-    itself (unpickling a 20,000-tensor .metadata: 0.43 s -> 0.10 s)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def is_stateful(obj: Any) -> bool:
@@ -222,7 +206,8 @@ def save(
     if not isinstance(state_dict, dict):
         raise TypeError(f"dcpx.save: state_dict must be a dict, got {type(state_dict).__name__}")
     writer = _writer_for(storage_writer, checkpoint_id)
-    fast = fast_path_state(state_dict, writer, planner, no_dist)
+    with paused_gc():
+        fast = fast_path_state(state_dict, writer, planner, no_dist)
     if fast is not None:
         return save_local(writer, *fast)
     with warnings.catch_warnings():
@@ -304,7 +289,8 @@ def load(
     keys = sorted(state_dict.keys())
     stateful_sd = {k: (state_dict[k].state_dict() if is_stateful(state_dict[k])
                        else state_dict[k]) for k in keys}
-    flat, mappings = flatten_state_dict(stateful_sd)
+    with paused_gc():
+        flat, mappings = flatten_state_dict(stateful_sd)
     fast = (_default_planner(planner) and not _dist_in_use(no_dist)
             and isinstance(reader, FileSystemReader)
             and all(_is_plain_tensor(v) or not isinstance(v, torch.Tensor)

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint._traverse import set_element
 
 from . import _C
 from ._dtypes import dlpack_view
+from ._gc import paused_gc
 from .filesystem import check_saveable
 
 __all__ = ["StagingOptions", "DefaultStager"]
@@ -234,7 +235,10 @@ class DefaultStager:
         return None
 
     def _stage(self, state_dict: dict) -> dict:
-        flat, mappings = flatten_state_dict(state_dict)
+        with paused_gc():
+            return self._stage_flat(*flatten_state_dict(state_dict))
+
+    def _stage_flat(self, flat: dict, mappings: dict) -> dict:
         for k, v in flat.items():
             if isinstance(v, torch.Tensor):
                 check_saveable(v, k)  # the errors dcpx.save gives, naming the key
@@ -255,12 +259,12 @@ class DefaultStager:
                     value = layout.flat[k] = copy.deepcopy(v)
                     set_element(layout.state_dict, mappings[k], value)
                 elif v.device.type == "cpu":
-                    host_pairs.append((dlpack_view(v.detach()), dlpack_view(dst.detach())))
+                    host_pairs.append((dlpack_view(v.detach()), layout.offsets[k]))
                 elif v.device.type == "cuda":
                     cuda_pairs.append((v.detach(), dst))
                 else:  # other accelerators: torch's own copy
                     other_pairs.append((v.detach(), dst))
-            _C.copy_into(host_pairs, threads=_copy_threads())
+            _C.copy_into(host_pairs, threads=_copy_threads(), base=layout.buffer.base)
             if cuda_pairs:
                 self._copy_from_devices(cuda_pairs)
             for src, dst in other_pairs:
