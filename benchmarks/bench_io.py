@@ -130,6 +130,8 @@ def rm(path):
 
 
 def du(path):
+    if os.path.isfile(path):
+        return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
@@ -201,7 +203,7 @@ def run_case(name, sd, libs, args, workdir):
     src_bufs, dst_bufs = limit_buffers(sd, dst)
     times = {op: [] for op in ["limit memcpy", "limit write+fsync", "limit read"]
              + [f"{lib} {op}" for lib in libs for op in ("save", "load")]}
-    disk, limit_file, cpu0 = {}, os.path.join(workdir, "limit.bin"), cpu_snapshot()
+    disk, cpu0 = {}, cpu_snapshot()
 
     def measure(op, fn, read=False):
         quiesce()
@@ -209,27 +211,34 @@ def run_case(name, sd, libs, args, workdir):
             drop_caches()
         times[op].append(timed(fn))
 
-    for r in range(args.repeat):
-        # machine limits over the same byte count
-        measure("limit memcpy", lambda: limit_memcpy(src_bufs, dst_bufs))
-        for t in dst_bufs:
-            t.fill_(0)
-        measure("limit write+fsync", lambda: limit_write(src_bufs, limit_file))
-        measure("limit read", lambda: limit_read(limit_file, dst_bufs), read=True)
+    def check_limit():
         if not all(torch.equal(s, d) for s, d in zip(src_bufs, dst_bufs)):
             raise RuntimeError("limit read returned wrong bytes")
-        rm(limit_file)
-        # checkpoint libraries, interleaved per repeat so drift hits all alike
-        for lib, mod in libs.items():
-            path = os.path.join(workdir, f"{name}-{lib}")
-            measure(f"{lib} save", lambda: ckpt_save(mod, sd, path, args.thread_count))
-            disk[lib] = du(path)
-            for t in dst.values():
-                t.zero_()
-            measure(f"{lib} load", lambda: ckpt_load(mod, dst, path), read=True)
-            verify(sd, dst, f"{lib} load ({name}, repeat {r})")
+
+    for _ in range(args.repeat):
+        measure("limit memcpy", lambda: limit_memcpy(src_bufs, dst_bufs))
+    # who: (write op, read op, write(path), read(path), buffers read into, check after read)
+    subjects = {"limit": ("write+fsync", "read", lambda p: limit_write(src_bufs, p),
+                          lambda p: limit_read(p, dst_bufs), dst_bufs, check_limit)}
+    for lib, mod in libs.items():
+        subjects[lib] = ("save", "load", lambda p, m=mod: ckpt_save(m, sd, p, args.thread_count),
+                         lambda p, m=mod: ckpt_load(m, dst, p), list(dst.values()),
+                         lambda lib=lib: verify(sd, dst, f"{lib} load ({name})"))
+    for who, (wop, rop, write, read, bufs, check) in subjects.items():
+        path = os.path.join(workdir, f"{name}-{who}")
+        # Untimed warm-up write. Each timed write then follows the deletion of the same writer's
+        # previous output, so it refills the page cache that output just freed (see README).
+        write(path)
+        for _ in range(args.repeat):
             rm(path)
-        print(f"  [{name}] repeat {r + 1}/{args.repeat} done", file=sys.stderr, flush=True)
+            measure(f"{who} {wop}", lambda: write(path))
+            disk[who] = du(path)
+            for t in bufs:
+                t.zero_()
+            measure(f"{who} {rop}", lambda: read(path), read=True)
+            check()
+        rm(path)
+        print(f"  [{name}] {who}: {args.repeat} repeats done", file=sys.stderr, flush=True)
     ops = {op: {"times_s": ts, "median_s": statistics.median(ts), "min_s": min(ts),
                 "gbps_median": size / GB / statistics.median(ts)} for op, ts in times.items()}
     return {"n_tensors": len(sd), "bytes": size, "ops": ops, "disk_bytes": disk,
@@ -321,7 +330,7 @@ def render(results, meta, md):
         rows = []
         for op, o in res["ops"].items():
             lib = op.split()[0]
-            d = res["disk_bytes"].get(lib) if op.endswith("save") else None
+            d = res["disk_bytes"].get(lib) if op.endswith(("save", "fsync")) else None
             rows.append([op, f"{o['median_s']:.3f}", f"{o['min_s']:.3f}", f"{o['gbps_median']:.2f}",
                          "" if d is None else f"{d / 2**20:.1f}"])
         out += table(["operation", "median s", "min s", "GB/s (median)", "on-disk MiB"], rows)
