@@ -87,6 +87,11 @@ static int take_pair(PyObject *pair, const dcpx_view *base, dcpx_view *src,
                      dcpx_view *dst)
 {
     PyObject *s, *d;
+    if (!PyTuple_Check(pair)) {
+        PyErr_Format(PyExc_TypeError, "dcpx: pair must be a (src, dst) tuple, "
+                     "not %.200s", Py_TYPE(pair)->tp_name);
+        return -1;
+    }
     if (!PyArg_ParseTuple(pair, "OO;dcpx: pair must be (src, dst)", &s, &d))
         return -1;
     if (dcpx_view_from_object(s, src, 0) < 0)

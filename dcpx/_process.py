@@ -51,6 +51,17 @@ class _Worker:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dcpx-process-upload")
 
     def run(self, staged, stager, writer) -> Any:
+        try:
+            return self._run(staged, stager, writer)
+        except (EOFError, OSError) as e:  # the pipe broke: the process died
+            if not self.proc.is_alive() or isinstance(e, (EOFError, BrokenPipeError)):
+                raise RuntimeError(
+                    f"dcpx: the checkpoint process died while saving {writer.path} "
+                    f"(exit code {self.proc.exitcode}); that checkpoint was not "
+                    f"committed") from e
+            raise
+
+    def _run(self, staged, stager, writer) -> Any:
         from .staging import DefaultStager
         if isinstance(staged, Future):
             staged = staged.result()
@@ -73,11 +84,7 @@ class _Worker:
             values = {k: v for k, v in layout.flat.items() if k not in layout.dst}
             self.conn.send(("staged", config, buf.serial, tensors, values, layout.mappings,
                             sorted(self.sent_buffers)))
-        try:
-            status, result = self.conn.recv()
-        except EOFError:
-            raise RuntimeError("dcpx: the checkpoint process died during the save "
-                               f"(exit code {self.proc.exitcode})") from None
+        status, result = self.conn.recv()
         if status == "err":
             raise result
         return result

@@ -31,11 +31,12 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 
 from . import _C
 from ._dtypes import dlpack_view
@@ -102,21 +103,23 @@ class _Buffer:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
             self.pinned = False
-        self.base = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        try:
-            self.mm.close()
-        except BufferError:  # staged tensors still referenced: GC frees it
-            pass
+        # Never mm.close(): staged tensors the caller still holds point into
+        # the mapping (torch.frombuffer keeps the mmap object alive, but an
+        # explicit close would unmap it under them).  Dropping our references
+        # unmaps it once the last staged tensor is gone.
+        self.base = None
+        self.mm = None
 
 
 class _Layout:
     """The staged image of one state-dict structure: the buffer, the staged
     tensors in flat order, and the staged (nested) state dict."""
 
-    def __init__(self, flat: dict, mappings: dict, shared: bool, pin: bool) -> None:
+    def __init__(self, state_dict: dict, flat: dict, mappings: dict, shared: bool,
+                 pin: bool) -> None:
         self.signature = _signature(flat)
         self.offsets = offsets = {}
         total = 0
@@ -129,9 +132,48 @@ class _Layout:
         self.dst = {k: self.buffer.view(o, flat[k]) for k, o in offsets.items()}
         self.flat = dict(self.dst)  # + each stage's copies of non-tensor values
         self.mappings = mappings
-        self.state_dict: dict = {}
-        for k, v in self.dst.items():
-            set_element(self.state_dict, mappings[k], v)
+        # The staged state dict mirrors the caller's containers (keys keep
+        # their types: optimizer states are keyed by int); `slots` says where
+        # each non-tensor value goes on every stage.
+        self.slots: dict = {}
+        self.state_dict = _mirror(state_dict, (), self)
+
+
+def _is_terminal(value: Any) -> bool:
+    """torch's rule (distributed/checkpoint/_traverse.py): a Mapping is never
+    a leaf; a list is one unless it holds a tensor or a non-leaf container;
+    anything else (tuples included) is a leaf."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    for entry in value:
+        if isinstance(entry, (Mapping, list)) and not _is_terminal(entry):
+            return False
+        if isinstance(entry, torch.Tensor):
+            return False
+    return True
+
+
+def _mirror(value: Any, path: tuple, layout: "_Layout") -> Any:
+    """Copy the container structure of a Mapping or non-leaf list, putting
+    staged tensors at the leaves and recording the other leaves' slots."""
+    if isinstance(value, Mapping):
+        out: Any = OrderedDict() if isinstance(value, OrderedDict) else {}
+        items = [(k, v, path + (str(k),)) for k, v in value.items()]
+    else:
+        out = [None] * len(value)
+        items = [(i, v, path + (i,)) for i, v in enumerate(value)]
+    for key, v, p in items:
+        if not _is_terminal(v):
+            out[key] = _mirror(v, p, layout)
+            continue
+        fqn = ".".join(map(str, p))
+        dst = layout.dst.get(fqn)
+        if dst is None:
+            layout.slots[fqn] = (out, key)  # filled by every stage()
+        out[key] = dst
+    return out
 
 
 def _signature(flat: dict) -> tuple:
@@ -185,6 +227,7 @@ class DefaultStager:
         self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self._staging_future = None  # it holds the staged state dict
         self.wait_for_lease(raise_errors=False)
         with self._lock:
             if self._layout is not None:
@@ -236,9 +279,9 @@ class DefaultStager:
 
     def _stage(self, state_dict: dict) -> dict:
         with paused_gc():
-            return self._stage_flat(*flatten_state_dict(state_dict))
+            return self._stage_flat(state_dict, *flatten_state_dict(state_dict))
 
-    def _stage_flat(self, flat: dict, mappings: dict) -> dict:
+    def _stage_flat(self, state_dict: dict, flat: dict, mappings: dict) -> dict:
         for k, v in flat.items():
             if isinstance(v, torch.Tensor):
                 check_saveable(v, k)  # the errors dcpx.save gives, naming the key
@@ -249,15 +292,15 @@ class DefaultStager:
                     layout.buffer.release()
                     self._layout = None
                 pin = self._cuda and self._config.use_pinned_memory
-                layout = self._layout = _Layout(flat, mappings,
+                layout = self._layout = _Layout(state_dict, flat, mappings,
                                                 self._config.use_shared_memory, pin)
                 self.alloc_count += 1
             host_pairs, cuda_pairs, other_pairs = [], [], []
             for k, v in flat.items():
                 dst = layout.dst.get(k)
                 if dst is None:
-                    value = layout.flat[k] = copy.deepcopy(v)
-                    set_element(layout.state_dict, mappings[k], value)
+                    container, key = layout.slots[k]
+                    container[key] = layout.flat[k] = copy.deepcopy(v)
                 elif v.device.type == "cpu":
                     host_pairs.append((dlpack_view(v.detach()), layout.offsets[k]))
                 elif v.device.type == "cuda":
