@@ -127,7 +127,11 @@ def plan_local_save(writer: FileSystemWriter, flat: dict, mappings: dict,
         else:
             sdm[fqn] = _BYTES_MD
             buf = io.BytesIO()
-            torch.save(obj, buf)
+            try:
+                torch.save(obj, buf)
+            except Exception as e:
+                raise TypeError(f"dcpx: cannot save {fqn!r}: its value of type "
+                                f"{type(obj).__name__} does not pickle: {e}") from e
             payload = buf.getvalue()
             entries.append(_Entry(MetadataIndex(fqn), payload, len(payload)))
     pending = writer.write_entries(prefix, entries)
@@ -172,7 +176,11 @@ def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
     with paused_gc():
         metadata, pending = plan_local_save(writer, flat, mappings, prepare)
         pending.start()
-        data = writer.encode_metadata(metadata)
+        try:
+            data = writer.encode_metadata(metadata)
+        except BaseException:
+            pending.abort()
+            raise
     pending.wait()
     writer.commit(metadata, data)
     return metadata

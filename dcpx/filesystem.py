@@ -169,6 +169,17 @@ class PendingWrite:
             self.job.release()
         return self.results
 
+    def abort(self) -> None:
+        """Stop the writer threads and remove this save's files."""
+        self.job.cancel()
+        try:
+            self.job.wait()
+        except OSError:
+            pass
+        finally:
+            self.job.release()
+        self.discard()
+
     def discard(self) -> None:
         """Best effort: never let cleanup hide the error that caused it."""
         for p in self.paths:

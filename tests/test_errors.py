@@ -271,3 +271,24 @@ def test_plain_values_load_without_allow_pickle(tmp_path):
     dest = empty_like_state(state)
     dcpx.load(dest, checkpoint_id=path)
     assert_state_bit_equal(dest, state)
+
+
+def test_unpicklable_value_names_the_key_and_writes_nothing(tmp_path):
+    ck = tmp_path / "ck"
+    with pytest.raises(TypeError, match="'cfg.fn'.*does not pickle"):
+        dcpx.save({"w": torch.ones(2), "cfg": {"fn": lambda x: x}}, checkpoint_id=ck)
+    assert not any(ck.iterdir())
+
+
+def test_failure_after_the_writers_started_removes_their_files(tmp_path, monkeypatch):
+    """An error while the metadata is encoded (the C threads are already
+    writing) cancels them and leaves no data file behind."""
+    ck = tmp_path / "ck"
+
+    def boom(self, metadata):
+        raise RuntimeError("encode failed")
+
+    monkeypatch.setattr(dcpx.FileSystemWriter, "encode_metadata", boom)
+    with pytest.raises(RuntimeError, match="encode failed"):
+        dcpx.save({"w": torch.ones(1 << 22)}, checkpoint_id=ck)
+    assert list(ck.iterdir()) == []
