@@ -22,4 +22,7 @@ fi
 # Rebuild the extension every time: it takes seconds and follows the sources.
 rm -f dcpx/_C*.so
 DCPX_WERROR=${DCPX_WERROR:-1} "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
-"$VENV/bin/python" -c "import dcpx, torch; print(f'dcpx {dcpx.__version__} (crc32: {dcpx._C.crc32_impl}), torch {torch.__version__}')"
+(
+    . scripts/sanitizer_env.sh
+    "$VENV/bin/python" -c "import dcpx, torch; print(f'dcpx {dcpx.__version__} (crc32: {dcpx._C.crc32_impl}), torch {torch.__version__}')"
+)

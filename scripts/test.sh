@@ -6,13 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-if [ "${DCPX_SANITIZE:-0}" = "1" ]; then
-    # The interpreter is not instrumented: preload the runtimes.  Leak
-    # checking is off because CPython itself keeps memory until exit.
-    export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
-    export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=1"
-    export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-fi
+. scripts/sanitizer_env.sh
 set +e
 .venv/bin/python -m pytest -q tests "$@"
 rc=$?
