@@ -19,6 +19,7 @@ SOURCES = [
     "csrc/writer.c",
     "csrc/reader.c",
     "csrc/stage.c",
+    "csrc/picklescan.c",
 ]
 
 cflags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]

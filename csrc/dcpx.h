@@ -184,6 +184,7 @@ PyObject *dcpx_read_items(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_probe_tensor(PyObject *module, PyObject *obj);
 PyObject *dcpx_copy_into(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_prefault(PyObject *module, PyObject *args, PyObject *kwds);
+PyObject *dcpx_check_pickle(PyObject *module, PyObject *args);
 
 /* Turn (errno, what, path) into an OSError naming the file. */
 void dcpx_set_oserror(int err, const char *what, const char *path);

@@ -190,7 +190,14 @@ PyDoc_STRVAR(prefault_doc,
              "Fault in every page of a contiguous CPU tensor's memory (a new "
              "staging buffer) without the GIL.");
 
+PyDoc_STRVAR(check_pickle_doc,
+             "check_pickle($module, data, /)\n--\n\n"
+             "Raise ValueError unless data is a pickle whose opcodes are safe "
+             "to hand to the unpickler (bounded memo indices, lengths inside "
+             "the data, no persistent ids, extensions or out-of-band buffers).");
+
 static PyMethodDef dcpx_methods[] = {
+    {"check_pickle", dcpx_check_pickle, METH_VARARGS, check_pickle_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},
     {"copy_into", (PyCFunction)(void (*)(void))dcpx_copy_into,

@@ -125,15 +125,18 @@ static int check_record(ritem *it, const dcpx_tensor_record *rec)
     if (rec->ndim != d->ndim)
         return fail(it, RD_CORRUPT, 0, "archive tensor rank differs from the "
                                       "metadata");
-    int64_t expect = 1;
-    uint64_t numel = 1;
+    /* Unsigned, overflow-checked: a shape like (0, 2**62, 8) is a real
+     * (empty) tensor, and strides come from the file (found by fuzzing). */
+    uint64_t expect = 1, numel = 1;
     for (int i = rec->ndim - 1; i >= 0; i--) {
         if (rec->shape[i] != d->shape[i])
             return fail(it, RD_CORRUPT, 0, "archive tensor shape differs from "
                                           "the metadata");
-        if (rec->shape[i] > 1 && rec->stride[i] != expect)
+        if (rec->shape[i] > 1 && (uint64_t)rec->stride[i] != expect)
             return fail(it, RD_FALLBACK, 0, "non-contiguous saved tensor");
-        expect *= rec->shape[i] > 1 ? rec->shape[i] : 1;
+        uint64_t dim = rec->shape[i] > 1 ? (uint64_t)rec->shape[i] : 1;
+        if (__builtin_mul_overflow(expect, dim, &expect))
+            return fail(it, RD_CORRUPT, 0, "archive tensor shape overflows");
         numel *= (uint64_t)rec->shape[i];
     }
     uint64_t storage_numel = rec->storage_numel;

@@ -51,7 +51,9 @@ int dcpx_zip_find_cd(const unsigned char *tail, size_t tail_len,
     if (pos >= 20 && rd32(tail + pos - 20) == 0x07064b50) {
         uint64_t z64 = rd64(tail + pos - 20 + 8);
         uint64_t start = archive_len - tail_len;
-        if (z64 < start || z64 + 56 > eocd_at - 20)
+        /* z64 comes from the file: compare without forming z64 + 56,
+         * which can wrap (found by fuzz/fuzz_zipread.c). */
+        if (z64 < start || z64 > eocd_at - 20 || eocd_at - 20 - z64 < 56)
             FAIL(z64 >= eocd_at ? DCPX_PARSE_CORRUPT : DCPX_PARSE_NEED_MORE,
                  "zip64 end record outside the archive tail");
         const unsigned char *z = tail + (z64 - start);

@@ -141,13 +141,49 @@ def loads(data: bytes, path: str) -> _md.Metadata:
             raise CorruptCheckpointError(
                 f"{path}: metadata checksum mismatch (the file is corrupted)")
     try:
+        _C.check_pickle(body)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: metadata is not a safe pickle: {e}") from None
+    try:
         md = SafeUnpickler(io.BytesIO(body), path).load()
     except UnsafeCheckpointError:
         raise
     except Exception as e:
         raise CorruptCheckpointError(f"{path}: cannot parse metadata: {e!r}") from e
-    if not isinstance(md, _md.Metadata) or not isinstance(md.state_dict_metadata, dict):
-        raise CorruptCheckpointError(f"{path}: file does not hold DCP Metadata")
-    if not isinstance(md.storage_data, dict):
-        raise CorruptCheckpointError(f"{path}: metadata has no storage_data")
+    try:
+        _validate(md)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{path}: malformed DCP metadata: {e}") from None
     return md
+
+
+def _validate(md: Any) -> None:
+    """Check the unpickled object graph has the types and shapes the loader
+    relies on (a crafted pickle can build allowed classes without their
+    fields, or with fields of other types)."""
+    if not isinstance(md, _md.Metadata):
+        raise TypeError(f"the file holds a {type(md).__name__}, not DCP Metadata")
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
+        raise TypeError("state_dict_metadata and storage_data must be dicts")
+    for fqn, m in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise TypeError(f"key {fqn!r} is not a string")
+        if isinstance(m, _md.TensorStorageMetadata):
+            if not (isinstance(m.properties, _md.TensorProperties)
+                    and isinstance(m.properties.dtype, torch.dtype)
+                    and isinstance(m.size, torch.Size) and isinstance(m.chunks, list)):
+                raise TypeError(f"tensor metadata of {fqn!r} is malformed")
+            for ch in m.chunks:
+                if not (isinstance(ch, _md.ChunkStorageMetadata)
+                        and isinstance(ch.offsets, torch.Size) and isinstance(ch.sizes, torch.Size)
+                        and len(ch.offsets) == len(ch.sizes) == len(m.size)
+                        and all(0 <= o and 0 <= n and o + n <= s for o, n, s in
+                                zip(ch.offsets, ch.sizes, m.size))):
+                    raise ValueError(f"chunk of {fqn!r} lies outside its tensor")
+        elif not isinstance(m, _md.BytesStorageMetadata):
+            raise TypeError(f"metadata of {fqn!r} is a {type(m).__name__}")
+    for index, info in md.storage_data.items():
+        if not (isinstance(index, _md.MetadataIndex) and isinstance(index.fqn, str)
+                and isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
+                and type(info.offset) is int and type(info.length) is int):
+            raise TypeError(f"storage entry {index!r} is malformed")

@@ -292,3 +292,34 @@ def test_failure_after_the_writers_started_removes_their_files(tmp_path, monkeyp
     with pytest.raises(RuntimeError, match="encode failed"):
         dcpx.save({"w": torch.ones(1 << 22)}, checkpoint_id=ck)
     assert list(ck.iterdir()) == []
+
+
+@pytest.mark.parametrize("body,words", [
+    (b"\x80\x04r\xff\xff\xff\xffN.", "memo index"),     # LONG_BINPUT 2**32-1: a huge memo
+    (b"\x80\x04X\xff\xff\xff\x7fab.", "past the end"),   # length beyond the data
+    (b"\x80\x02\x82\x01.", "extension"),                 # EXT1: copyreg registry
+    (b"\x80\x02K\x01Q.", "persistent"),                  # BINPERSID
+    (b"\x80\x04N", "no STOP"),
+])
+def test_metadata_pickle_is_scanned_before_unpickling(tmp_path, body, words):
+    """Opcode-level attacks on .metadata are refused before CPython's
+    unpickler runs (found by fuzz/fuzz_metadata.py: the first one makes the
+    unpickler allocate a memo table of tens of GiB)."""
+    ck = tmp_path / "ck"
+    dcpx.save({"w": torch.ones(2)}, checkpoint_id=ck)
+    (ck / ".metadata").write_bytes(body)
+    with pytest.raises(dcpx.CorruptCheckpointError, match=words):
+        dcpx.load({"w": torch.zeros(2)}, checkpoint_id=ck)
+
+
+def test_metadata_objects_without_their_fields_are_refused(tmp_path):
+    """NEWOBJ of an allowed class with no BUILD: a Metadata with no fields."""
+    import pickle
+    from torch.distributed.checkpoint.metadata import Metadata
+    ck = tmp_path / "ck"
+    dcpx.save({"w": torch.ones(2)}, checkpoint_id=ck)
+    (ck / ".metadata").write_bytes(
+        b"\x80\x04\x8c%torch.distributed.checkpoint.metadata\x94\x8c\x08Metadata\x94\x93)\x81.")
+    assert isinstance(pickle.loads((ck / ".metadata").read_bytes()), Metadata)
+    with pytest.raises(dcpx.CorruptCheckpointError, match="malformed"):
+        dcpx.load({"w": torch.zeros(2)}, checkpoint_id=ck)
