@@ -135,7 +135,7 @@ static int check_record(ritem *it, const dcpx_tensor_record *rec)
         if (rec->shape[i] > 1 && (uint64_t)rec->stride[i] != expect)
             return fail(it, RD_FALLBACK, 0, "non-contiguous saved tensor");
         uint64_t dim = rec->shape[i] > 1 ? (uint64_t)rec->shape[i] : 1;
-        if (__builtin_mul_overflow(expect, dim, &expect))
+        if (i > 0 && __builtin_mul_overflow(expect, dim, &expect))
             return fail(it, RD_CORRUPT, 0, "archive tensor shape overflows");
         numel *= (uint64_t)rec->shape[i];
     }

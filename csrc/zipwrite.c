@@ -152,9 +152,13 @@ static void build_pickle(buf_t *b, const char *storage_type,
     int64_t stride[64];
     int64_t s = 1;
     int legacy = is_legacy(storage_type);
-    for (int i = ndim - 1; i >= 0; i--) { /* torch's contiguous strides */
+    /* torch's contiguous strides: the product of the later dims, each at
+     * least 1.  Never multiply in dim 0: for an empty tensor like
+     * (2**40, 0, 2**40) that product would overflow, and no stride uses it. */
+    for (int i = ndim - 1; i >= 0; i--) {
         stride[i] = s;
-        s *= shape[i] > 1 ? shape[i] : 1;
+        if (i > 0)
+            s *= shape[i] > 1 ? shape[i] : 1;
     }
     put(b, "\x80\x02", 2);
     puts_(b, legacy ? "ctorch._utils\n_rebuild_tensor_v2\n"
