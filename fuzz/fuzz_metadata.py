@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Coverage-guided fuzzing (atheris) of dcpx's two parsers of untrusted bytes
-that Python code reaches:
+"""Coverage-guided fuzzing (atheris) of dcpx's parsers of untrusted bytes that
+Python code reaches:
 
 * ``dcpx._metadata.loads(data, path)`` -> a ``Metadata``, or
   ``CorruptCheckpointError`` (``UnsafeCheckpointError`` is a subclass).
@@ -15,16 +15,16 @@ that Python code reaches:
   index and every length that ``pickletools.genops`` decodes lies within
   the data, as the scan promises.
 
-Every input goes through both.  Coverage feedback comes from dcpx._metadata
+Every input goes through all three.  Coverage feedback comes from dcpx._metadata
 and from an instrumented copy of the pure-Python pickle Unpickler that is
 run on the same bytes with the same allow-list (its outcome is not judged:
 it only guides the mutator through the pickle opcodes, which the C
-unpickler that ``loads`` uses cannot report).  The C parsers are covered by
-fuzz/fuzz_zipread.c.
+unpickler that ``loads`` uses cannot report).  The C code is covered by
+the libFuzzer targets (fuzz_zipread.c, fuzz_reader.c, fuzz_picklescan.c).
 
     PYTHONPATH=. .venv/bin/python fuzz/fuzz_metadata.py \\
-        fuzz/work/py fuzz/corpus/metadata fuzz/corpus/archive \\
-        -max_total_time=180 -max_len=65536 -rss_limit_mb=4096 -timeout=10
+        fuzz/work/py fuzz/corpus/fuzz_metadata fuzz/seeds/metadata fuzz/seeds/archive \\
+        -max_total_time=180 -max_len=65536 -rss_limit_mb=4096 -timeout=20
 
 (``pip install atheris``; it ships manylinux wheels for CPython.)
 Pass ``--replay FILE...`` to run files through the checks without atheris.
@@ -56,7 +56,7 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
-import torch  # noqa: E402  (imported uninstrumented: far too big)
+import torch  # noqa: E402,F401  (imported before atheris, uninstrumented: far too big)
 from torch.distributed.checkpoint import metadata as _md  # noqa: E402
 
 from dcpx import _C, _metadata  # noqa: E402
