@@ -369,6 +369,11 @@ def run_trial_child(cfg: dict) -> None:
     else:
         import dcpx
         _install_dcpx_points(point)
+        if cfg.get("mutate") == "inplace":
+            # Self-test of the harness: data files always get the untagged
+            # names, so a re-save rewrites the committed files in place (as
+            # torch's writer does).  The harness must report it.
+            dcpx.FileSystemWriter._tag = lambda self: ""
 
         def writer(path):
             return dcpx.FileSystemWriter(path, sync_files=cfg["sync_files"],
@@ -765,7 +770,8 @@ class Harness:
     "process"), re-saving into one directory A all along."""
 
     def __init__(self, zygote: Zygote, root: Path, api: str, seed: int,
-                 cli_keys=CLI_KEYS, marker_share: float = 0.35) -> None:
+                 cli_keys=CLI_KEYS, marker_share: float = 0.35,
+                 mutate: Optional[str] = None) -> None:
         import dcpx
         self.z, self.root, self.api = zygote, Path(root), api
         self.rng = random.Random(f"{seed}-{api}")
@@ -773,6 +779,7 @@ class Harness:
         self.expected = Expected()
         self.marker_share = 0.0 if api == "process" else marker_share
         self.cli_todo = set(cli_keys)   # (dir, outcome) pairs to check once with the CLI
+        self.mutate = mutate            # see run_trial_child
         self.A = self.root / "A"
         self.gen_A = 1                    # the generation committed in A
         self.next_gen = 2
@@ -789,7 +796,7 @@ class Harness:
         sync_files, threads, per_item = config
         return dict(lib="dcpx", api=self.api, gen=gen, A=str(self.A), B=str(B),
                     warm=str(self.root / "warm"), sync_files=sync_files, threads=threads,
-                    per_item=per_item, kill_at=kill_at)
+                    per_item=per_item, kill_at=kill_at, mutate=self.mutate)
 
     def _calibrated(self, config) -> tuple:
         if config not in self.calibration:
@@ -975,12 +982,13 @@ def _exception_message(detail: str) -> str:
 
 def run_compare(lib: str, trials: int, seed: int, sync_files: bool, root: Path,
                 zygote: Zygote, kill: str = "timed", threads: int = 1,
-                per_item: bool = False) -> dict:
+                per_item: bool = False, keep: Optional[str] = None) -> dict:
     """Re-save generation 2 over a pristine committed generation 1 (written by
     the same library and writer settings) and SIGKILL the saver, at a
     uniformly random time over the re-save ("timed") or at a uniformly
     random one of the points it passes ("marker"); then load with both
-    loaders.  Records; asserts nothing."""
+    loaders.  Records; asserts nothing.  ``keep``: a directory to copy the
+    checkpoints the two loaders judge differently into."""
     import warnings
     expected = Expected()
     rng = random.Random(f"{seed}-compare-{lib}-{kill}")
@@ -1017,7 +1025,7 @@ def run_compare(lib: str, trials: int, seed: int, sync_files: bool, root: Path,
     examples: dict = {}
     disagreements: list = []   # trials the two loaders judged differently
     started = time.monotonic()
-    for _ in range(trials):
+    for i in range(trials):
         fresh_copy()
         if kill == "marker":
             trial = zygote.run(dict(cfg, kill_at=rng.randint(1, points)))
@@ -1037,7 +1045,11 @@ def run_compare(lib: str, trials: int, seed: int, sync_files: bool, root: Path,
             labels[loader] = (label, detail)
             if label not in ("old", "new", "incomplete"):
                 examples.setdefault(f"{loader} load: {label}", _exception_message(detail))
-        if len({label for label, _ in labels.values()}) > 1 and len(disagreements) < 5:
+        verdicts = {label if label in ("old", "new", "wrong", "incomplete") else "raised"
+                    for label, _ in labels.values()}
+        if len(verdicts) > 1 and keep:
+            shutil.copytree(A, Path(keep) / f"{base.name}-trial{i}")
+        if len(verdicts) > 1 and len(disagreements) < 5:  # (both raising is agreement)
             disagreements.append({loader: f"{label}: {_exception_message(detail)}"
                                   for loader, (label, detail) in labels.items()}
                                  | {"phase": [n for n, _ in trial.markers][-4:],
@@ -1100,6 +1112,9 @@ def main(argv=None) -> int:
                    help="--compare-torch: the writers' thread_count (default 1, torch's)")
     p.add_argument("--per-item", action="store_true",
                    help="--compare-torch: single_file_per_rank=False (a file per item)")
+    p.add_argument("--keep-disagreements", metavar="DIR",
+                   help="--compare-torch: copy checkpoints the two loaders judge differently "
+                        "into DIR")
     p.add_argument("--json", help="also write the results as JSON to this file")
     args = p.parse_args(argv)
     if str(REPO) not in sys.path:  # run as a script: dcpx from this checkout
@@ -1124,7 +1139,7 @@ def main(argv=None) -> int:
         else:
             for lib in args.libs.split(","):
                 r = run_compare(lib, args.trials, args.seed, bool(args.sync_files), root, z,
-                                args.kill, args.threads, args.per_item)
+                                args.kill, args.threads, args.per_item, args.keep_disagreements)
                 _print_compare(r)
                 results.append(r)
     finally:
