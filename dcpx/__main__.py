@@ -29,7 +29,8 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def inspect_checkpoint(path: str, limit: int, out=sys.stdout) -> int:
+def inspect_checkpoint(path: str, limit: int, out=None) -> int:
+    out = out or sys.stdout  # looked up per call: redirect_stdout works
     reader = FileSystemReader(path)
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
@@ -68,10 +69,11 @@ def _check_archive(reader: FileSystemReader, info) -> None:
     check_zip_crcs(raw, f"{reader.path / info.relative_path} at offset {info.offset}")
 
 
-def verify_checkpoint(path: str, out=sys.stdout) -> int:
+def verify_checkpoint(path: str, out=None) -> int:
     """Read every tensor chunk (CRC-checked), CRC-check every other record of
     its archive, and load every value (weights_only); report each problem.
     Returns the number of problems."""
+    out = out or sys.stdout  # looked up per call: redirect_stdout works
     reader = FileSystemReader(path)
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
