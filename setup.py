@@ -20,6 +20,7 @@ SOURCES = [
     "csrc/reader.c",
     "csrc/stage.c",
     "csrc/picklescan.c",
+    "csrc/workers.c",
 ]
 
 cflags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]

@@ -186,6 +186,12 @@ PyObject *dcpx_copy_into(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_prefault(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_check_pickle(PyObject *module, PyObject *args);
 
+/* Run fn(arg) on nthreads threads (at most 64): nthreads - 1 new ones plus
+ * the caller's, then join.  Workers share a counter in `arg`, so if a
+ * pthread_create fails the caller's thread still drains all the work.
+ * Called with the GIL released. */
+void dcpx_run_workers(void *(*fn)(void *), void *arg, int nthreads);
+
 /* Turn (errno, what, path) into an OSError naming the file. */
 void dcpx_set_oserror(int err, const char *what, const char *path);
 

@@ -21,7 +21,6 @@
 
 #include <errno.h>
 #include <fcntl.h>
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -281,21 +280,12 @@ static void *rworker(void *arg)
 
 static void run_threads(rjob *job, int nthreads)
 {
-    pthread_t tids[64];
-    int started = 0;
     for (Py_ssize_t f = 0; f < job->nfiles; f++) {
         job->fds[f] = open(job->paths[f], O_RDONLY | O_CLOEXEC);
         if (job->fds[f] < 0)
             job->fds[f] = -errno - 1; /* reported per item */
     }
-    for (int i = 1; i < nthreads; i++) {
-        if (pthread_create(&tids[started], NULL, rworker, job) != 0)
-            break; /* fewer threads: the caller's thread still drains all */
-        started++;
-    }
-    rworker(job);
-    for (int i = 0; i < started; i++)
-        pthread_join(tids[i], NULL);
+    dcpx_run_workers(rworker, job, nthreads);
     for (Py_ssize_t f = 0; f < job->nfiles; f++)
         if (job->fds[f] >= 0)
             close(job->fds[f]);

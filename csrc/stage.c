@@ -14,7 +14,6 @@
  */
 #include "dcpx.h"
 
-#include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
 
@@ -44,20 +43,6 @@ static void *copy_worker(void *arg)
                          job->dst[t->pair].data + t->from);
     }
     return NULL;
-}
-
-static void run_copy(cjob *job, int nthreads)
-{
-    pthread_t tids[64];
-    int started = 0;
-    for (int i = 1; i < nthreads && i < 64; i++) {
-        if (pthread_create(&tids[started], NULL, copy_worker, job) != 0)
-            break; /* the calling thread still does all remaining work */
-        started++;
-    }
-    copy_worker(job);
-    for (int i = 0; i < started; i++)
-        pthread_join(tids[i], NULL);
 }
 
 /* A destination given as a byte offset into `base` (the stager's buffer):
@@ -183,7 +168,7 @@ PyObject *dcpx_copy_into(PyObject *Py_UNUSED(module), PyObject *args,
     if (nthreads > job.ntasks)
         nthreads = job.ntasks > 0 ? (int)job.ntasks : 1;
     Py_BEGIN_ALLOW_THREADS
-    run_copy(&job, nthreads);
+    dcpx_run_workers(copy_worker, &job, nthreads);
     Py_END_ALLOW_THREADS
     Py_INCREF(Py_None);
     out = Py_None;
@@ -273,14 +258,8 @@ PyObject *dcpx_prefault(PyObject *Py_UNUSED(module), PyObject *args,
     Py_BEGIN_ALLOW_THREADS
     if (j.len) {
         madvise(j.base, j.len, MADV_HUGEPAGE); /* best effort */
-        pthread_t tids[64];
-        int started = 0;
-        for (int i = 1; i < nthreads && i < j.nblocks; i++)
-            if (pthread_create(&tids[started], NULL, prefault_worker, &j) == 0)
-                started++;
-        prefault_worker(&j);
-        for (int i = 0; i < started; i++)
-            pthread_join(tids[i], NULL);
+        dcpx_run_workers(prefault_worker, &j,
+                         nthreads < j.nblocks ? nthreads : (int)j.nblocks);
     }
     Py_END_ALLOW_THREADS
     dcpx_view_release(&v);

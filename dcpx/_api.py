@@ -77,24 +77,23 @@ def _is_plain_tensor(obj: Any) -> bool:
     return name not in ("DTensor", "ShardedTensor") and not hasattr(obj, "__tensor_flatten__")
 
 
-def _writer_for(storage_writer, checkpoint_id):
-    if storage_writer is None:
+def _storage_for(storage, checkpoint_id, default_cls, name: str):
+    """The given writer/reader reset to checkpoint_id, or dcpx's own."""
+    if storage is None:
         if checkpoint_id is None:
-            raise RuntimeError("`checkpoint_id` must be specified if storage_writer is None.")
-        return FileSystemWriter(checkpoint_id)
+            raise RuntimeError(f"`checkpoint_id` must be specified if {name} is None.")
+        return default_cls(checkpoint_id)
     if checkpoint_id is not None:
-        storage_writer.reset(checkpoint_id)
-    return storage_writer
+        storage.reset(checkpoint_id)
+    return storage
+
+
+def _writer_for(storage_writer, checkpoint_id):
+    return _storage_for(storage_writer, checkpoint_id, FileSystemWriter, "storage_writer")
 
 
 def _reader_for(storage_reader, checkpoint_id):
-    if storage_reader is None:
-        if checkpoint_id is None:
-            raise RuntimeError("`checkpoint_id` must be specified if storage_reader is None.")
-        return FileSystemReader(checkpoint_id)
-    if checkpoint_id is not None:
-        storage_reader.reset(checkpoint_id)
-    return storage_reader
+    return _storage_for(storage_reader, checkpoint_id, FileSystemReader, "storage_reader")
 
 
 def _torch_kwargs(fn, **kw) -> dict:
