@@ -17,30 +17,26 @@ from __future__ import annotations
 import io
 import os
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as _tdcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
-    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _metadata
+from . import _dist, _metadata
 from ._gc import paused_gc
 from .filesystem import (
     DCP_VERSION,
     FileSystemReader,
     FileSystemWriter,
-    PendingWrite,
     _Entry,
-    _TensorRead,
     tensor_payload,
 )
 
@@ -75,6 +71,10 @@ def _is_plain_tensor(obj: Any) -> bool:
         return False
     name = type(obj).__name__
     return name not in ("DTensor", "ShardedTensor") and not hasattr(obj, "__tensor_flatten__")
+
+
+def _is_plain_or_value(obj: Any) -> bool:
+    return not isinstance(obj, torch.Tensor) or _is_plain_tensor(obj)
 
 
 def _storage_for(storage, checkpoint_id, default_cls, name: str):
@@ -198,6 +198,25 @@ def fast_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
     return flat, mappings
 
 
+def dist_path_eligible(storage_writer, planner, no_dist: bool) -> bool:
+    """dcpx coordinates the ranks itself: a process group in use, default
+    planner, dcpx storage."""
+    return (_default_planner(planner) and _dist_in_use(no_dist)
+            and isinstance(storage_writer, FileSystemWriter))
+
+
+def dist_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
+    """(flat, mappings) when dcpx coordinates a multi-process save itself
+    (default planner, dcpx storage, plain tensors / DTensors / non-tensors),
+    else None."""
+    if not dist_path_eligible(storage_writer, planner, no_dist):
+        return None
+    flat, mappings = flatten_state_dict(_stateful_to_state_dict(state_dict))
+    if not all(_dist.fast_value(v) for v in flat.values()):
+        return None
+    return flat, mappings
+
+
 def save(
     state_dict: dict[str, Any],
     *,
@@ -217,6 +236,11 @@ def save(
         fast = fast_path_state(state_dict, writer, planner, no_dist)
     if fast is not None:
         return save_local(writer, *fast)
+    with paused_gc():
+        sharded = dist_path_state(state_dict, writer, planner, no_dist)
+    if sharded is not None:
+        return _dist.save(writer, *sharded, group=process_group,
+                          use_collectives=use_collectives)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         return _tdcp.save(state_dict, storage_writer=writer, planner=planner,
@@ -225,57 +249,6 @@ def save(
 
 
 # --------------------------------------------------------------------- load
-
-def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
-               allow_partial_load: bool = False) -> None:
-    """Fast single-process load of a flattened state dict, in place."""
-    metadata = reader.read_metadata()
-    reader.set_up_storage_reader(metadata, True)
-    sdm = metadata.state_dict_metadata
-    index = {(k.fqn, None if k.offset is None else tuple(k.offset)): v
-             for k, v in metadata.storage_data.items()}
-    reads, byte_keys = [], []
-    for fqn, obj in flat.items():
-        md = sdm.get(fqn)
-        if md is None:
-            if allow_partial_load:
-                continue
-            raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
-        if isinstance(md, BytesStorageMetadata):
-            byte_keys.append(fqn)
-            continue
-        if not isinstance(obj, torch.Tensor):
-            raise TypeError(f"dcpx: key {fqn!r}: the checkpoint holds a tensor, the "
-                            f"state_dict holds a {type(obj).__name__}")
-        if obj.size() != md.size:
-            raise ValueError(f"Size mismatch between saved {md.size} and current: "
-                             f"{obj.size()} for {fqn}")
-        target = obj.detach()
-        for ch in md.chunks:
-            info = index.get((fqn, tuple(ch.offsets)))
-            if info is None:
-                raise _missing_storage(reader, fqn, ch.offsets)
-            view = target
-            for dim, (o, n) in enumerate(zip(ch.offsets, ch.sizes)):
-                if o != 0 or n != view.shape[dim]:
-                    view = view.narrow(dim, o, n)
-            reads.append(_TensorRead(fqn, info, ch.sizes, md.properties.dtype, view, None))
-    reader.read_tensors(reads)
-    for fqn in byte_keys:
-        info = index.get((fqn, None))
-        if info is None:
-            raise _missing_storage(reader, fqn, None)
-        data = reader.read_bytes(fqn, info)
-        value = torch.load(io.BytesIO(data), weights_only=not reader.allow_pickle)
-        set_element(original, mappings[fqn], value)
-
-
-def _missing_storage(reader, fqn, offsets):
-    from .errors import CorruptCheckpointError
-    return CorruptCheckpointError(
-        f"{reader.path}: metadata lists {fqn!r} but has no storage entry for it"
-        + (f" at offset {tuple(offsets)}" if offsets is not None else ""))
-
 
 def load(
     state_dict: dict[str, Any],
@@ -298,14 +271,18 @@ def load(
                        else state_dict[k]) for k in keys}
     with paused_gc():
         flat, mappings = flatten_state_dict(stateful_sd)
-    fast = (_default_planner(planner) and not _dist_in_use(no_dist)
-            and isinstance(reader, FileSystemReader)
-            and all(_is_plain_tensor(v) or not isinstance(v, torch.Tensor)
+    distributed = _dist_in_use(no_dist)
+    fast = (_default_planner(planner) and isinstance(reader, FileSystemReader)
+            and all((_dist.fast_value if distributed else _is_plain_or_value)(v)
                     for v in flat.values()))
-    if fast:
+    partial = getattr(planner, "allow_partial_load", False)
+    if fast and distributed:
+        _dist.load(reader, flat, mappings, stateful_sd, process_group, partial)
+    elif fast:
         with paused_gc():
-            _load_flat(flat, mappings, stateful_sd, reader,
-                       allow_partial_load=getattr(planner, "allow_partial_load", False))
+            metadata = reader.read_metadata()
+            reader.set_up_storage_reader(metadata, True)
+            _dist.load_flat(flat, mappings, stateful_sd, reader, metadata, partial)
     else:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

@@ -30,8 +30,11 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from . import _dist
 from ._api import (
     _dist_in_use,
+    dist_path_eligible,
+    dist_path_state,
     _stateful_to_state_dict,
     _writer_for,
     fast_path_eligible,
@@ -82,9 +85,19 @@ def _staged_payload(t: torch.Tensor, key: str) -> tuple:
 
 def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
             use_collectives):
-    """Write and commit one staged state dict (runs on the upload thread)."""
+    """Write and commit one staged state dict (runs on the upload thread).
+    With a process group, ``process_group`` is async_save's own group."""
     if isinstance(staged, Future):
         staged = staged.result()
+    if _dist_in_use(no_dist):
+        sharded = None
+        if isinstance(stager, DefaultStager) and dist_path_eligible(writer, planner, no_dist):
+            sharded = stager.flat_of(staged)
+        if sharded is None or not all(_dist.fast_value(v) for v in sharded[0].values()):
+            sharded = dist_path_state(staged, writer, planner, no_dist)
+        if sharded is not None:
+            return _dist.save(writer, *sharded, group=process_group,
+                              use_collectives=use_collectives, prepare=_staged_payload)
     fast = None
     if isinstance(stager, DefaultStager) and fast_path_eligible(writer, planner, no_dist):
         fast = stager.flat_of(staged)  # the stager's flat view: no re-flattening
@@ -128,6 +141,9 @@ def async_save(
                 "process group with 'cpu:gloo,cuda:nccl'")
     process = AsyncCheckpointerType(async_checkpointer_type) == AsyncCheckpointerType.PROCESS
     writer = _writer_for(storage_writer, checkpoint_id)
+    if _dist_in_use(no_dist) and not process:
+        # The upload's collectives run on a group of their own.
+        process_group = _dist.async_group(process_group)
     owned = None
     if async_stager is None:
         if hasattr(writer, "stage") and not isinstance(writer, FileSystemWriter):

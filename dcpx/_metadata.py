@@ -41,19 +41,24 @@ _PROPS: dict = {}
 _ZERO_OFFSETS: dict = {}
 
 
-def tensor_properties(t: torch.Tensor, pinned: bool) -> _md.TensorProperties:
+def properties(dtype: torch.dtype, requires_grad: bool,
+               pinned: bool) -> _md.TensorProperties:
     """Shared TensorProperties per (dtype, requires_grad, pinned): the pickle
     then stores each distinct one once, which makes the metadata of a
     20,000-tensor checkpoint several times cheaper to write and read."""
-    key = (t.dtype, t.requires_grad, pinned)
+    key = (dtype, requires_grad, pinned)
     p = _PROPS.get(key)
     if p is None:
-        p = _md.TensorProperties(dtype=t.dtype, layout=torch.strided,
-                                 requires_grad=t.requires_grad,
+        p = _md.TensorProperties(dtype=dtype, layout=torch.strided,
+                                 requires_grad=requires_grad,
                                  memory_format=torch.contiguous_format,
                                  pin_memory=pinned)
         _PROPS[key] = p
     return p
+
+
+def tensor_properties(t: torch.Tensor, pinned: bool) -> _md.TensorProperties:
+    return properties(t.dtype, t.requires_grad, pinned)
 
 
 def zero_offsets(ndim: int) -> torch.Size:
@@ -71,10 +76,37 @@ def tensor_metadata(t: torch.Tensor, pinned: bool) -> _md.TensorStorageMetadata:
                                      size=size, chunks=[chunk])
 
 
+class _Pickler(pickle.Pickler):
+    """pickle.Pickler that stores a _StorageInfo as a constructor call
+    ``_StorageInfo(path, offset, length)`` instead of torch's Python
+    ``__getstate__`` dict: the same object on load (torch's and dcpx's), a
+    fifth less time and space for many-tensor checkpoints."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is _StorageInfo and getattr(obj, "transform_descriptors", None) is None:
+            return (_StorageInfo, (obj.relative_path, obj.offset, obj.length))
+        return NotImplemented
+
+
 def dumps(metadata: _md.Metadata) -> bytes:
-    body = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL
-                        if pickle.HIGHEST_PROTOCOL <= 5 else 5)
+    out = io.BytesIO()
+    _Pickler(out, protocol=min(pickle.HIGHEST_PROTOCOL, 5)).dump(metadata)
+    body = out.getvalue()
     return body + _TRAILER.pack(_TRAILER_MAGIC, _C.crc32(body), len(body))
+
+
+_SIZES: dict = {}
+
+
+def interned_size(dims: tuple) -> torch.Size:
+    """One torch.Size object per distinct shape, so that the metadata pickle
+    stores each shape once (later uses are memo references)."""
+    s = _SIZES.get(dims)
+    if s is None:
+        if len(_SIZES) > 65536:
+            _SIZES.clear()
+        s = _SIZES[dims] = torch.Size(dims)
+    return s
 
 
 # --- reading ----------------------------------------------------------------

@@ -29,14 +29,12 @@ import os
 import re
 import uuid
 import zipfile
-from concurrent.futures import Future as _PyFuture
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
@@ -55,7 +53,7 @@ from torch.futures import Future
 
 from . import _C, _metadata
 from ._dtypes import dlpack_view, storage_type_name
-from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
 
@@ -75,7 +73,7 @@ def _fsync_dir(path: Union[str, Path]) -> None:
 def _check_dir(path: Path, create: bool) -> None:
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(
-            20, f"dcpx: checkpoint path exists and is not a directory", str(path))
+            20, "dcpx: checkpoint path exists and is not a directory", str(path))
     if create:
         path.mkdir(parents=True, exist_ok=True)
 
@@ -143,16 +141,25 @@ class PendingWrite:
 
     def __init__(self, writer: "FileSystemWriter", files: list[tuple[str, list[_Entry]]]):
         self.writer = writer
+        self.files = files
         self.paths = [str(writer.path / name) for name, _ in files]
         self.job = _C.WriteJob(
             [(p, [e.payload for e in ents]) for p, (_, ents) in zip(self.paths, files)],
             sync_files=writer.sync_files, threads=max(1, writer.thread_count))
-        self.results = [
-            WriteResult(index=e.index, size_in_bytes=length,
-                        storage_data=_StorageInfo(name, offset, length))
-            for (name, ents), lay in zip(files, self.job.layout())
-            for e, (offset, length) in zip(ents, lay)
-        ]
+        self.layout = self.job.layout()  # per file: (offset, length) per entry
+        self._results: Optional[list[WriteResult]] = None
+
+    @property
+    def results(self) -> list[WriteResult]:
+        """torch's WriteResult per entry (built on first use)."""
+        if self._results is None:
+            self._results = [
+                WriteResult(index=e.index, size_in_bytes=length,
+                            storage_data=_StorageInfo(name, offset, length))
+                for (name, ents), lay in zip(self.files, self.layout)
+                for e, (offset, length) in zip(ents, lay)
+            ]
+        return self._results
 
     def start(self) -> "PendingWrite":
         self.job.start()

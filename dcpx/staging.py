@@ -43,6 +43,11 @@ from ._dtypes import dlpack_view
 from ._gc import paused_gc
 from .filesystem import check_saveable
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None  # type: ignore[assignment,misc]
+
 __all__ = ["StagingOptions", "DefaultStager"]
 
 _PAGE = mmap.PAGESIZE
@@ -125,12 +130,16 @@ class _Layout:
         total = 0
         for k, v in flat.items():
             if isinstance(v, torch.Tensor):
+                local = _local(v)
                 total = -(-total // _ALIGN) * _ALIGN
                 offsets[k] = total
-                total += v.numel() * v.element_size()
+                total += local.numel() * local.element_size()
         self.buffer = _Buffer(total, shared, pin)
-        self.dst = {k: self.buffer.view(o, flat[k]) for k, o in offsets.items()}
-        self.flat = dict(self.dst)  # + each stage's copies of non-tensor values
+        # dst: where each tensor's (local) bytes are copied; staged: what the
+        # staged state dict holds (a DTensor over its staged local shard).
+        self.dst = {k: self.buffer.view(o, _local(flat[k])) for k, o in offsets.items()}
+        self.staged = {k: _wrap_like(flat[k], d) for k, d in self.dst.items()}
+        self.flat = dict(self.staged)  # + each stage's copies of non-tensor values
         self.mappings = mappings
         # The staged state dict mirrors the caller's containers (keys keep
         # their types: optimizer states are keyed by int); `slots` says where
@@ -169,16 +178,38 @@ def _mirror(value: Any, path: tuple, layout: "_Layout") -> Any:
             out[key] = _mirror(v, p, layout)
             continue
         fqn = ".".join(map(str, p))
-        dst = layout.dst.get(fqn)
+        dst = layout.staged.get(fqn)
         if dst is None:
             layout.slots[fqn] = (out, key)  # filled by every stage()
         out[key] = dst
     return out
 
 
+def _is_dtensor(v: Any) -> bool:
+    return DTensor is not None and isinstance(v, DTensor)
+
+
+def _local(v: torch.Tensor) -> torch.Tensor:
+    """The bytes a tensor stages: a DTensor's local shard, or itself."""
+    return v._local_tensor if _is_dtensor(v) else v
+
+
+def _wrap_like(v: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """The staged stand-in for v: dst itself, or for a DTensor a DTensor
+    with v's mesh and placements over the staged local shard."""
+    if not _is_dtensor(v):
+        return dst
+    dst.requires_grad_(False)
+    out = DTensor.from_local(dst, v.device_mesh, v.placements, run_check=False,
+                             shape=v.shape, stride=v.stride())
+    return out.requires_grad_(v.requires_grad)
+
+
 def _signature(flat: dict) -> tuple:
-    return tuple((k, v.dtype, tuple(v.shape), v.requires_grad) if isinstance(v, torch.Tensor)
-                 else k for k, v in flat.items())
+    return tuple((k, v.dtype, tuple(v.shape), v.requires_grad,
+                  (tuple(v._local_tensor.shape), tuple(v.placements), v.device_mesh)
+                  if _is_dtensor(v) else None)
+                 if isinstance(v, torch.Tensor) else k for k, v in flat.items())
 
 
 class DefaultStager:
@@ -301,7 +332,9 @@ class DefaultStager:
                 if dst is None:
                     container, key = layout.slots[k]
                     container[key] = layout.flat[k] = copy.deepcopy(v)
-                elif v.device.type == "cpu":
+                    continue
+                v = _local(v)
+                if v.device.type == "cpu":
                     host_pairs.append((dlpack_view(v.detach()), layout.offsets[k]))
                 elif v.device.type == "cuda":
                     cuda_pairs.append((v.detach(), dst))

@@ -1,0 +1,570 @@
+"""Multi-process save and load: dcpx's own rank coordination over a
+``torch.distributed`` process group.
+
+torch's DCP coordinates a save with SavePlan / WriteItem dataclasses: every
+rank pickles one WriteItem per tensor, the coordinator unpickles all of them
+and runs the planner's dedup and metadata passes over those objects, scatters
+whole plans back, then all-reduces WriteResult objects and sends the whole
+Metadata object to every rank.  dcpx moves the same information as plain
+tuples, in four collectives per save:
+
+1. gather     each rank's items (key, chunk offsets and sizes, dtype, bytes)
+              to the coordinator.  Byte-identical plans (replicated state, as
+              in DDP) are decoded once.
+2. scatter    to each rank: which of its items it writes (an item held by
+              several ranks is written once, by the least-loaded holder) and
+              its file prefix.
+3. gather     each rank's file layout (file, offset, length of every item;
+              fixed before the bytes are written) and its write status.
+4. broadcast  the commit outcome, with the encoded metadata, which the other
+              ranks decode only if the returned Metadata is looked at.
+
+Only the coordinator commits, and only after every rank reported its files
+written and fsynced.  A failure on any rank (planning or writing) reaches
+every rank as an exception at step 2 or 4, and no ``.metadata`` is written.
+
+A load needs no plan exchange: every rank reads the metadata, works out which
+saved chunks overlap its own tensors (resharding; a sorted index per key, so
+the work is not quadratic in local x saved chunks) and reads them.  One
+all_gather of the ranks' status at the end makes a failure on one rank an
+error on all.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import io
+import pickle
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from . import _metadata
+from ._gc import paused_gc
+from .errors import CheckpointError, CorruptCheckpointError
+from .filesystem import (
+    DCP_VERSION,
+    FileSystemReader,
+    FileSystemWriter,
+    _Entry,
+    _TensorRead,
+    tensor_payload,
+)
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None  # type: ignore[assignment,misc]
+
+_BYTES_MD = BytesStorageMetadata()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+# ------------------------------------------------------------ what is saved
+
+def is_dtensor(obj: Any) -> bool:
+    return DTensor is not None and isinstance(obj, DTensor)
+
+
+def fast_value(obj: Any) -> bool:
+    """A value dcpx's own planning handles: a plain tensor, a DTensor whose
+    local part is a plain tensor (no Partial placement), or a non-tensor."""
+    if not isinstance(obj, torch.Tensor):
+        return True
+    if type(obj) in _PLAIN:
+        return True
+    if is_dtensor(obj):
+        return (type(obj._local_tensor) in _PLAIN
+                and not any(p.is_partial() for p in obj.placements))
+    return False
+
+
+def local_chunk(obj: torch.Tensor) -> tuple[torch.Tensor, torch.Size, torch.Size]:
+    """(local data, global offsets, sizes) of a tensor on this rank."""
+    if is_dtensor(obj):
+        (chunk,) = obj.__create_chunk_list__()
+        return obj._local_tensor.detach(), chunk.offsets, chunk.sizes
+    return obj.detach(), _metadata.zero_offsets(obj.dim()), obj.size()
+
+
+class LocalItem(NamedTuple):
+    """One chunk (or bytes value) this rank can write: the unit of a plan."""
+    fqn: str
+    offsets: Optional[tuple]     # None for a bytes value
+    sizes: Optional[tuple]
+    size: Optional[tuple]        # the whole tensor's size
+    dtype: Optional[torch.dtype]
+    requires_grad: bool
+    pinned: bool
+    nbytes: int
+
+
+def local_plan(flat: dict, prepare: Callable) -> tuple[list[LocalItem], list]:
+    """This rank's items and their payloads for the C writer."""
+    items, payloads = [], []
+    cuda = torch.cuda.is_available()
+    for fqn, obj in flat.items():
+        if isinstance(obj, torch.Tensor):
+            data, offsets, sizes = local_chunk(obj)
+            payloads.append(prepare(data, fqn))  # first: it refuses what has no metadata
+            nbytes = data.numel() * data.element_size()
+            items.append(LocalItem(fqn, tuple(offsets), tuple(sizes), tuple(obj.size()),
+                                   obj.dtype, obj.requires_grad,
+                                   cuda and data.is_pinned(), nbytes))
+        else:
+            buf = io.BytesIO()
+            try:
+                torch.save(obj, buf)
+            except Exception as e:
+                raise TypeError(f"dcpx: cannot save {fqn!r}: its value of type "
+                                f"{type(obj).__name__} does not pickle: {e}") from e
+            payload = buf.getvalue()
+            payloads.append(payload)
+            items.append(LocalItem(fqn, None, None, None, None, False, False, len(payload)))
+    return items, payloads
+
+
+# ------------------------------------------------------------ global plan
+
+class GlobalPlan(NamedTuple):
+    assign: list[list[int]]           # per rank: indices of its items it writes
+    state_dict_metadata: dict
+    index: dict                       # (rank, item idx) -> MetadataIndex
+    planner_data: dict
+
+
+def global_plan(plans: list[list[LocalItem]], mappings: list[dict]) -> GlobalPlan:
+    """Dedup and balance the ranks' items and build the tensor metadata.
+    Raises CheckpointError when ranks disagree about a key."""
+    n = len(plans)
+    assign: list[list[int]] = [[] for _ in range(n)]
+    sdm: dict = {}
+    index: dict = {}
+    if all(p is plans[0] for p in plans):
+        # Every rank holds every item (replicated state): balance by bytes.
+        heap = [(0, r) for r in range(n)]
+        for i, it in enumerate(plans[0]):
+            load, r = heapq.heappop(heap)
+            assign[r].append(i)
+            heapq.heappush(heap, (load + it.nbytes, r))
+            index[(r, i)] = _describe(sdm, it)
+    else:
+        holders: dict = {}
+        for r, items in enumerate(plans):
+            for i, it in enumerate(items):
+                h = holders.get((it.fqn, it.offsets))
+                if h is None:
+                    holders[(it.fqn, it.offsets)] = [(r, i)]
+                else:
+                    other = plans[h[0][0]][h[0][1]]
+                    if other.sizes != it.sizes or other.dtype != it.dtype:
+                        raise CheckpointError(
+                            f"dcpx: ranks {h[0][0]} and {r} hold different chunks of "
+                            f"{it.fqn!r} at offset {it.offsets}: {other.dtype}"
+                            f"{list(other.sizes or ())} vs {it.dtype}{list(it.sizes or ())}")
+                    h.append((r, i))
+        load = [0] * n
+        for h in holders.values():
+            r, i = min(h, key=lambda ri: load[ri[0]]) if len(h) > 1 else h[0]
+            it = plans[r][i]
+            load[r] += it.nbytes
+            assign[r].append(i)
+            index[(r, i)] = _describe(sdm, it)
+        for a in assign:
+            a.sort()
+    planner_data: dict = {}
+    for m in reversed(mappings):  # the lowest rank wins, as in torch's ChainMap
+        planner_data.update(m)
+    return GlobalPlan(assign, sdm, index, planner_data)
+
+
+def _describe(sdm: dict, it: LocalItem) -> MetadataIndex:
+    """Add one item to the state-dict metadata; its storage index."""
+    md = sdm.get(it.fqn)
+    if it.offsets is None:
+        if md is not None and not isinstance(md, BytesStorageMetadata):
+            raise CheckpointError(f"dcpx: {it.fqn!r} is a tensor on one rank and a "
+                                  f"non-tensor value on another")
+        sdm[it.fqn] = _BYTES_MD
+        return MetadataIndex(it.fqn)
+    if md is None:
+        md = sdm[it.fqn] = TensorStorageMetadata(
+            properties=_metadata.properties(it.dtype, it.requires_grad, it.pinned),
+            size=_metadata.interned_size(it.size), chunks=[])
+    elif not isinstance(md, TensorStorageMetadata):
+        raise CheckpointError(f"dcpx: {it.fqn!r} is a tensor on one rank and a "
+                              f"non-tensor value on another")
+    elif md.properties.dtype != it.dtype or tuple(md.size) != it.size:
+        raise CheckpointError(
+            f"dcpx: ranks disagree about {it.fqn!r}: {md.properties.dtype}"
+            f"{list(md.size)} vs {it.dtype}{list(it.size)}")
+    offsets = _metadata.interned_size(it.offsets)
+    md.chunks.append(ChunkStorageMetadata(offsets=offsets,
+                                          sizes=_metadata.interned_size(it.sizes)))
+    return MetadataIndex(it.fqn, offsets, len(md.chunks) - 1)
+
+
+# ------------------------------------------------------------ collectives
+
+class _Group:
+    """The process group, this rank's place in it, and object collectives
+    addressed by group rank."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.coordinator = 0 if group is None else dist.get_global_rank(group, 0)
+        self.is_coordinator = self.rank == 0
+
+    def gather(self, obj: Any) -> Optional[list]:
+        out = [None] * self.size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self.coordinator, group=self.group)
+        return out
+
+    def scatter(self, objs: Optional[list]) -> Any:
+        out = [None]
+        dist.scatter_object_list(out, objs, src=self.coordinator, group=self.group)
+        return out[0]
+
+    def broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.coordinator, group=self.group)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list:
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def _failure(rank: int, e: BaseException) -> tuple:
+    return ("err", f"rank {rank}: {type(e).__name__}: {e}")
+
+
+def _raise_remote(what: str, errors: list, own: Optional[BaseException]) -> None:
+    """Raise this rank's own exception, or one naming the failed ranks."""
+    if own is not None:
+        raise own
+    raise CheckpointError(f"dcpx: {what} failed on another rank: " + "; ".join(errors))
+
+
+_async_groups: dict = {}
+
+
+def async_group(process_group):
+    """A gloo process group of async_save's own with the same ranks, so that
+    its collectives (run on the upload thread) never interleave with the
+    training's on ``process_group``.  Created once per group, on the calling
+    thread, by its ranks only (``use_local_synchronization``)."""
+    from torch.distributed import distributed_c10d as c10d
+    key = process_group if process_group is not None else c10d._get_default_group()
+    pg = _async_groups.get(key)
+    if pg is not None and pg in c10d._world.pg_map:
+        return pg
+    ranks = (list(range(dist.get_world_size())) if process_group is None
+             else dist.get_process_group_ranks(process_group))
+    pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    # Forget groups from destroyed worlds.
+    for k in [k for k, v in _async_groups.items() if v not in c10d._world.pg_map]:
+        del _async_groups[k]
+    _async_groups[key] = pg
+    return pg
+
+
+# ------------------------------------------------------------ save
+
+class _LazyMetadata(Metadata):
+    """The Metadata a non-coordinator rank returns: decoded from the
+    coordinator's bytes on first use (most callers never look)."""
+
+    def __init__(self, data: bytes, where: str) -> None:  # noqa: D107
+        self.__dict__["_dcpx_encoded"] = (data, where)
+
+    def __getattr__(self, name: str) -> Any:
+        enc = self.__dict__.pop("_dcpx_encoded", None)
+        if enc is None or name.startswith("__"):
+            raise AttributeError(name)
+        md = _metadata.loads(*enc)
+        self.__dict__.update({f.name: getattr(md, f.name) for f in dataclasses.fields(Metadata)})
+        return getattr(self, name)
+
+    def __reduce__(self):
+        return (Metadata, tuple(getattr(self, f.name) for f in dataclasses.fields(Metadata)))
+
+
+def save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
+         use_collectives: bool = True, prepare: Callable = tensor_payload) -> Metadata:
+    """Save this rank's part of a flat state dict and commit once for all."""
+    with paused_gc():  # ~10 objects per tensor: see dcpx/_gc.py
+        return _save(writer, flat, mappings, group, use_collectives, prepare)
+
+
+def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
+          use_collectives: bool, prepare: Callable) -> Metadata:
+    g = _Group(group)
+    writer.set_up_storage_writer(g.is_coordinator, rank=g.rank, use_collectives=use_collectives)
+    if not use_collectives:
+        return _save_alone(writer, flat, mappings, g, prepare)
+    # 1. local plan -> coordinator
+    own: Optional[BaseException] = None
+    items = payloads = None
+    try:
+        writer._prepare_dir()
+        items, payloads = local_plan(flat, prepare)
+        msg = ("ok", pickle.dumps((items, mappings), protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as e:
+        own, msg = e, _failure(g.rank, e)
+    gathered = g.gather(msg)
+    # 2. coordinator: global plan -> each rank
+    plan = None
+    replies = None
+    if g.is_coordinator:
+        try:
+            plan, replies = _coordinate(writer, gathered)
+        except Exception as e:
+            own = own or e
+            replies = [("err", [_failure(0, e)[1]])] * g.size
+    reply = g.scatter(replies)
+    if reply[0] != "ok":
+        _raise_remote("save planning", reply[1], own)
+    _, prefix, mine = reply
+    # 3. write; file layout + status -> coordinator
+    pending = None
+    try:
+        entries = [_Entry(i, payloads[i], items[i].nbytes) for i in mine]
+        pending = writer.write_entries(prefix, entries).start()
+        pending.wait()
+        msg = ("ok", [name for name, _ in pending.files],
+               [(e.index, f, off, length)
+                for f, ((_, ents), lay) in enumerate(zip(pending.files, pending.layout))
+                for e, (off, length) in zip(ents, lay)])
+    except Exception as e:
+        own, msg = e, _failure(g.rank, e)
+    gathered = g.gather(msg)
+    # 4. coordinator commits; outcome -> every rank
+    outcome = None
+    metadata = None
+    if g.is_coordinator:
+        outcome, metadata = _commit(writer, plan, gathered, own)
+    outcome = g.broadcast(outcome)
+    if outcome[0] != "ok":
+        if outcome[0] == "err" and pending is not None and own is None:
+            pending.discard()  # nothing will ever reference these files
+        _raise_remote("save", outcome[1], own)
+    if metadata is None:
+        metadata = _LazyMetadata(outcome[1], str(writer.path / _metadata.METADATA_FN))
+    return metadata
+
+
+def _coordinate(writer: FileSystemWriter, gathered: list) -> tuple:
+    errors = [m[1] for m in gathered if m[0] != "ok"]
+    if errors:
+        return None, [("err", errors)] * len(gathered)
+    blobs = [m[1] for m in gathered]
+    first = pickle.loads(blobs[0])
+    decoded = [first if b == blobs[0] else pickle.loads(b) for b in blobs]
+    plan = global_plan([d[0] for d in decoded], [d[1] for d in decoded])
+    tag = writer._tag()
+    replies = [("ok", writer._prefix(r, tag), plan.assign[r]) for r in range(len(blobs))]
+    return plan, replies
+
+
+def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list,
+            own: Optional[BaseException]) -> tuple:
+    """(outcome for every rank, Metadata or None).  Outcome ``("err", ...)``
+    means nothing was committed; ``("unknown", ...)`` that the commit failed
+    after the metadata may have become visible."""
+    errors = [m[1] for m in gathered if m[0] != "ok"]
+    if errors or plan is None:
+        return ("err", errors or ["planning failed"]), None
+    try:
+        storage_data = {}
+        for r, (_, names, layout) in enumerate(gathered):
+            for i, f, off, length in layout:
+                storage_data[plan.index[(r, i)]] = _StorageInfo(names[f], off, length)
+        metadata = Metadata(state_dict_metadata=plan.state_dict_metadata,
+                            planner_data=plan.planner_data, storage_data=storage_data,
+                            storage_meta=writer.storage_meta(), version=DCP_VERSION)
+        data = writer.encode_metadata(metadata)
+    except Exception as e:
+        return ("err", [_failure(0, e)[1]]), None
+    try:
+        writer.commit(metadata, data)
+    except Exception as e:
+        return ("unknown", [f"commit: {type(e).__name__}: {e}"]), None
+    return ("ok", data), metadata
+
+
+def _save_alone(writer: FileSystemWriter, flat: dict, mappings: dict, g: _Group,
+                prepare: Callable) -> Metadata:
+    """use_collectives=False: every rank saves what it holds under
+    ``__{rank}.metadata``, as torch does; a barrier at the end."""
+    writer._prepare_dir()
+    items, payloads = local_plan(flat, prepare)
+    plan = global_plan([items], [mappings])
+    pending = writer.write_entries(writer._prefix(g.rank),
+                                   [_Entry(i, p, it.nbytes) for i, (it, p)
+                                    in enumerate(zip(items, payloads))]).start()
+    pending.wait()
+    names = [name for name, _ in pending.files]
+    layout = [(e.index, f, off, length)
+              for f, ((_, ents), lay) in enumerate(zip(pending.files, pending.layout))
+              for e, (off, length) in zip(ents, lay)]
+    outcome, metadata = _commit(writer, plan, [("ok", names, layout)], None)
+    if outcome[0] != "ok":
+        raise CheckpointError(f"dcpx: save failed: {'; '.join(outcome[1])}")
+    dist.barrier(group=g.group)
+    return metadata
+
+
+# ------------------------------------------------------------ load
+
+class _ChunkIndex:
+    """The saved chunks of one key, sorted by their start along dim 0, with
+    the running maximum of their ends: the chunks that overlap a region are
+    found by bisection instead of a scan over all of them."""
+
+    __slots__ = ("chunks", "starts", "max_end")
+
+    def __init__(self, chunks: list) -> None:
+        self.chunks = sorted(chunks, key=lambda c: c.offsets[0])
+        self.starts = [c.offsets[0] for c in self.chunks]
+        self.max_end, m = [], 0
+        for c in self.chunks:
+            m = max(m, c.offsets[0] + c.sizes[0])
+            self.max_end.append(m)
+
+    def overlapping(self, lo: int, hi: int) -> list:
+        j = bisect.bisect_left(self.starts, hi) - 1
+        out = []
+        while j >= 0 and self.max_end[j] > lo:
+            out.append(self.chunks[j])
+            j -= 1
+        return out
+
+
+def _candidates(md: TensorStorageMetadata, cache: dict, fqn: str, offsets, sizes) -> list:
+    chunks = md.chunks
+    if len(chunks) <= 8 or not sizes:
+        return chunks
+    idx = cache.get(fqn)
+    if idx is None:
+        idx = cache[fqn] = _ChunkIndex(chunks)
+    return idx.overlapping(offsets[0], offsets[0] + sizes[0])
+
+
+def plan_reads(reader: FileSystemReader, metadata: Metadata, flat: dict,
+               allow_partial_load: bool) -> tuple[list, list]:
+    """(tensor reads, bytes keys) that fill this rank's part of ``flat``."""
+    sdm = metadata.state_dict_metadata
+    storage = {(k.fqn, None if k.offset is None else tuple(k.offset)): v
+               for k, v in metadata.storage_data.items()}
+    reads, byte_keys, cache = [], [], {}
+    for fqn, obj in flat.items():
+        md = sdm.get(fqn)
+        if md is None:
+            if allow_partial_load:
+                continue
+            raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
+        if isinstance(md, BytesStorageMetadata):
+            byte_keys.append(fqn)
+            continue
+        if not isinstance(obj, torch.Tensor):
+            raise TypeError(f"dcpx: key {fqn!r}: the checkpoint holds a tensor, the "
+                            f"state_dict holds a {type(obj).__name__}")
+        if obj.size() != md.size:
+            raise ValueError(f"Size mismatch between saved {md.size} and current: "
+                             f"{obj.size()} for {fqn}")
+        target, offsets, sizes = local_chunk(obj)
+        volume = 1
+        for n in sizes:
+            volume *= n
+        if volume == 0 and len(sizes) > 0:
+            continue
+        covered = 0
+        for ch in _candidates(md, cache, fqn, offsets, sizes):
+            view, inner, whole, vol = target, [], [], 1
+            for dim, (o, n, co, cn) in enumerate(zip(offsets, sizes, ch.offsets, ch.sizes)):
+                lo, hi = max(o, co), min(o + n, co + cn)
+                if hi <= lo:
+                    break
+                if lo != o or hi - lo != n:
+                    view = view.narrow(dim, lo - o, hi - lo)
+                inner.append(lo - co)
+                whole.append(hi - lo)
+                vol *= hi - lo
+            else:
+                info = storage.get((fqn, tuple(ch.offsets)))
+                if info is None:
+                    raise CorruptCheckpointError(
+                        f"{reader.path}: metadata lists {fqn!r} but has no storage entry "
+                        f"for it at offset {tuple(ch.offsets)}")
+                full = tuple(whole) == tuple(ch.sizes)
+                reads.append(_TensorRead(fqn, info, ch.sizes, md.properties.dtype, view,
+                                         None if full else (tuple(inner), tuple(whole))))
+                covered += vol
+        if covered < volume:
+            raise CorruptCheckpointError(
+                f"{reader.path}: the saved chunks of {fqn!r} cover {covered} of the "
+                f"{volume} elements this rank needs (offsets {tuple(offsets)}, "
+                f"sizes {tuple(sizes)})")
+    return reads, byte_keys
+
+
+def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
+              metadata: Metadata, allow_partial_load: bool = False) -> None:
+    """Fill a flattened state dict, in place, from the checkpoint."""
+    reads, byte_keys = plan_reads(reader, metadata, flat, allow_partial_load)
+    reader.read_tensors(reads)
+    index = {k.fqn: v for k, v in metadata.storage_data.items() if k.offset is None}
+    for fqn in byte_keys:
+        info = index.get(fqn)
+        if info is None:
+            raise CorruptCheckpointError(
+                f"{reader.path}: metadata lists {fqn!r} but has no storage entry for it")
+        data = reader.read_bytes(fqn, info)
+        value = torch.load(io.BytesIO(data), weights_only=not reader.allow_pickle)
+        set_element(original, mappings[fqn], value)
+
+
+def read_metadata(reader: FileSystemReader, rank: Optional[int]) -> tuple[Metadata, bool]:
+    """The global metadata, or (as torch does) this rank's own
+    ``__{rank}.metadata`` from a use_collectives=False save."""
+    try:
+        return reader.read_metadata(), True
+    except FileNotFoundError:
+        if rank is None or not (reader.path / f"__{rank}{_metadata.METADATA_FN}").exists():
+            raise
+    return reader.read_metadata(rank=rank), False
+
+
+def load(reader: FileSystemReader, flat: dict, mappings: dict, original: dict, group,
+         allow_partial_load: bool) -> None:
+    """Each rank fills its part; an error on any rank is raised on all."""
+    g = _Group(group)
+    own: Optional[BaseException] = None
+    try:
+        with paused_gc():
+            metadata, collective = read_metadata(reader, g.rank)
+            reader.set_up_storage_reader(metadata, g.is_coordinator, rank=g.rank,
+                                         use_collectives=collective)
+            load_flat(flat, mappings, original, reader, metadata, allow_partial_load)
+        status = ("ok",)
+    except Exception as e:
+        own, status = e, _failure(g.rank, e)
+    statuses = g.all_gather(status)
+    errors = [s[1] for s in statuses if s[0] != "ok"]
+    if errors:
+        _raise_remote("load", errors, own)
