@@ -168,11 +168,12 @@ def global_plan(plans: list[list[LocalItem]], mappings: list[dict]) -> GlobalPla
                     holders[(it.fqn, it.offsets)] = [(r, i)]
                 else:
                     other = plans[h[0][0]][h[0][1]]
-                    if other.sizes != it.sizes or other.dtype != it.dtype:
+                    if (other.sizes, other.size, other.dtype) != (it.sizes, it.size, it.dtype):
                         raise CheckpointError(
-                            f"dcpx: ranks {h[0][0]} and {r} hold different chunks of "
-                            f"{it.fqn!r} at offset {it.offsets}: {other.dtype}"
-                            f"{list(other.sizes or ())} vs {it.dtype}{list(it.sizes or ())}")
+                            f"dcpx: ranks {h[0][0]} and {r} disagree about {it.fqn!r} at "
+                            f"offset {it.offsets}: chunk {other.dtype}{list(other.sizes or ())} "
+                            f"of {list(other.size or ())} vs {it.dtype}{list(it.sizes or ())} "
+                            f"of {list(it.size or ())}")
                     h.append((r, i))
         load = [0] * n
         for h in holders.values():
