@@ -293,16 +293,32 @@ class _LazyMetadata(Metadata):
     def __init__(self, data: bytes, where: str) -> None:  # noqa: D107
         self.__dict__["_dcpx_encoded"] = (data, where)
 
-    def __getattr__(self, name: str) -> Any:
+    def _decode(self) -> None:
         enc = self.__dict__.pop("_dcpx_encoded", None)
-        if enc is None or name.startswith("__"):
-            raise AttributeError(name)
-        md = _metadata.loads(*enc)
-        self.__dict__.update({f.name: getattr(md, f.name) for f in dataclasses.fields(Metadata)})
-        return getattr(self, name)
+        if enc is not None:
+            md = _metadata.loads(*enc)
+            for f in dataclasses.fields(Metadata):
+                self.__dict__[f.name] = getattr(md, f.name)
 
     def __reduce__(self):
         return (Metadata, tuple(getattr(self, f.name) for f in dataclasses.fields(Metadata)))
+
+
+def _lazy_field(name: str) -> property:
+    # Metadata's fields with defaults are class attributes, which would
+    # answer before any __getattr__: each field is a property instead.
+    def get(self):
+        self._decode()
+        return self.__dict__[name]
+
+    def set(self, value):
+        self._decode()
+        self.__dict__[name] = value
+    return property(get, set)
+
+
+for _f in dataclasses.fields(Metadata):
+    setattr(_LazyMetadata, _f.name, _lazy_field(_f.name))
 
 
 def save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
