@@ -35,6 +35,7 @@ import bisect
 import dataclasses
 import heapq
 import io
+import os
 import pickle
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -321,19 +322,42 @@ for _f in dataclasses.fields(Metadata):
     setattr(_LazyMetadata, _f.name, _lazy_field(_f.name))
 
 
+def write_files(writer: FileSystemWriter, prefix: str, entries: list) -> tuple[list, list]:
+    """Write entries (``_Entry(item index, payload, nbytes)``) with the C
+    writer; (file names, [(item index, file number, offset, length)])."""
+    pending = writer.write_entries(prefix, entries).start()
+    pending.wait()
+    return ([name for name, _ in pending.files],
+            [(e.index, f, off, length)
+             for f, ((_, ents), lay) in enumerate(zip(pending.files, pending.layout))
+             for e, (off, length) in zip(ents, lay)])
+
+
+def _discard(writer: FileSystemWriter, names: list) -> None:
+    for name in names:
+        try:
+            os.unlink(writer.path / name)
+        except OSError:
+            pass
+
+
 def save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
-         use_collectives: bool = True, prepare: Callable = tensor_payload) -> Metadata:
-    """Save this rank's part of a flat state dict and commit once for all."""
+         use_collectives: bool = True, prepare: Callable = tensor_payload,
+         write: Callable = write_files) -> Metadata:
+    """Save this rank's part of a flat state dict and commit once for all.
+    ``prepare(tensor, key)`` makes an item's payload, ``write(writer,
+    prefix, entries)`` writes this rank's entries (the checkpoint process
+    passes its own)."""
     with paused_gc():  # ~10 objects per tensor: see dcpx/_gc.py
-        return _save(writer, flat, mappings, group, use_collectives, prepare)
+        return _save(writer, flat, mappings, group, use_collectives, prepare, write)
 
 
 def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
-          use_collectives: bool, prepare: Callable) -> Metadata:
+          use_collectives: bool, prepare: Callable, write: Callable) -> Metadata:
     g = _Group(group)
     writer.set_up_storage_writer(g.is_coordinator, rank=g.rank, use_collectives=use_collectives)
     if not use_collectives:
-        return _save_alone(writer, flat, mappings, g, prepare)
+        return _save_alone(writer, flat, mappings, g, prepare, write)
     # 1. local plan -> coordinator
     own: Optional[BaseException] = None
     items = payloads = None
@@ -358,15 +382,11 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
         _raise_remote("save planning", reply[1], own)
     _, prefix, mine = reply
     # 3. write; file layout + status -> coordinator
-    pending = None
+    names: list = []
     try:
-        entries = [_Entry(i, payloads[i], items[i].nbytes) for i in mine]
-        pending = writer.write_entries(prefix, entries).start()
-        pending.wait()
-        msg = ("ok", [name for name, _ in pending.files],
-               [(e.index, f, off, length)
-                for f, ((_, ents), lay) in enumerate(zip(pending.files, pending.layout))
-                for e, (off, length) in zip(ents, lay)])
+        names, layout = write(writer, prefix,
+                              [_Entry(i, payloads[i], items[i].nbytes) for i in mine])
+        msg = ("ok", names, layout)
     except Exception as e:
         own, msg = e, _failure(g.rank, e)
     gathered = g.gather(msg)
@@ -377,8 +397,8 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
         outcome, metadata = _commit(writer, plan, gathered, own)
     outcome = g.broadcast(outcome)
     if outcome[0] != "ok":
-        if outcome[0] == "err" and pending is not None and own is None:
-            pending.discard()  # nothing will ever reference these files
+        if outcome[0] == "err":
+            _discard(writer, names)  # nothing will ever reference these files
         _raise_remote("save", outcome[1], own)
     if metadata is None:
         metadata = _LazyMetadata(outcome[1], str(writer.path / _metadata.METADATA_FN))
@@ -425,20 +445,15 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
 
 
 def _save_alone(writer: FileSystemWriter, flat: dict, mappings: dict, g: _Group,
-                prepare: Callable) -> Metadata:
+                prepare: Callable, write: Callable) -> Metadata:
     """use_collectives=False: every rank saves what it holds under
     ``__{rank}.metadata``, as torch does; a barrier at the end."""
     writer._prepare_dir()
     items, payloads = local_plan(flat, prepare)
     plan = global_plan([items], [mappings])
-    pending = writer.write_entries(writer._prefix(g.rank),
-                                   [_Entry(i, p, it.nbytes) for i, (it, p)
-                                    in enumerate(zip(items, payloads))]).start()
-    pending.wait()
-    names = [name for name, _ in pending.files]
-    layout = [(e.index, f, off, length)
-              for f, ((_, ents), lay) in enumerate(zip(pending.files, pending.layout))
-              for e, (off, length) in zip(ents, lay)]
+    names, layout = write(writer, writer._prefix(g.rank),
+                          [_Entry(i, p, it.nbytes) for i, (it, p)
+                           in enumerate(zip(items, payloads))])
     outcome, metadata = _commit(writer, plan, [("ok", names, layout)], None)
     if outcome[0] != "ok":
         raise CheckpointError(f"dcpx: save failed: {'; '.join(outcome[1])}")
