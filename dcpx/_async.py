@@ -77,6 +77,18 @@ def _uploader() -> ThreadPoolExecutor:
         return _upload_executor
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has no dcpx-upload thread (the parent's saves stay the
+    parent's): its first async_save starts its own (docs/design.md, Fork)."""
+    global _upload_lock, _upload_executor
+    _upload_lock = threading.Lock()
+    _upload_executor = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _staged_payload(t: torch.Tensor, key: str) -> tuple:
     """Staged tensors are contiguous host tensors already: no checks, no
     copies."""

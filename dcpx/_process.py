@@ -106,6 +106,25 @@ def submit_process_upload(staged, stager, writer, planner, process_group, no_dis
     return w.executor.submit(w.run, staged, stager, writer)
 
 
+def _after_fork_in_child() -> None:
+    """A process forked from one that has a checkpoint process: that process,
+    its pipe and its upload thread are the parent's.  Forget them (the child
+    starts its own on first use), so that neither a PROCESS save in the child
+    nor the child's exit (dcpx's ``exit`` message, multiprocessing's
+    terminate-and-join of daemonic children) reaches the parent's."""
+    global _lock, _worker
+    _lock = threading.Lock()  # may have been held by a thread that is gone
+    w, _worker = _worker, None
+    if w is not None:
+        # multiprocessing's registry of children (private; stable since 3.4).
+        getattr(mp.process, "_children", set()).discard(w.proc)
+        w.conn.close()  # the child's copy: the worker still sees EOF when the parent dies
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @atexit.register
 def _shutdown() -> None:
     w = _worker

@@ -29,6 +29,7 @@ import itertools
 import mmap
 import os
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from collections import OrderedDict
@@ -233,6 +234,7 @@ class DefaultStager:
         self._lease: Optional[Future] = None  # the upload reading our buffer
         self._lock = threading.Lock()
         self._closed = False
+        _stagers.add(self)
         self.stage_count = 0
         self.alloc_count = 0
 
@@ -264,6 +266,25 @@ class DefaultStager:
             if self._layout is not None:
                 self._layout.buffer.release()
                 self._layout = None
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child the dcpx-stage thread, the upload our buffer is
+        leased to and any thread that held our lock are the parent's.  The
+        buffer is left to the parent too: a shared-memory one is the very
+        same pages, which the parent may be staging into or uploading from,
+        so the child's next stage() allocates its own.  Nothing is unmapped:
+        staged state dicts the child holds stay readable."""
+        self._lock = threading.Lock()
+        if self._executor is not None and not self._closed:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="dcpx-stage")
+        self._staging_future = None
+        self._lease = None
+        layout, self._layout = self._layout, None
+        if layout is not None:
+            layout.buffer.pinned = False  # a registration of the parent's CUDA context
+            if layout.buffer.fd >= 0:
+                os.close(layout.buffer.fd)  # the child's copy of the memfd
+                layout.buffer.fd = -1
 
     def __enter__(self) -> "DefaultStager":
         return self
@@ -359,3 +380,16 @@ class DefaultStager:
                 dst.detach().copy_(src, non_blocking=non_blocking)
         done = stream.record_event()
         done.synchronize()
+
+
+# Every live stager, for the fork handler: a forked child resets them.
+_stagers: "weakref.WeakSet[DefaultStager]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for stager in list(_stagers):
+        stager._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
