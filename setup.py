@@ -3,6 +3,7 @@ it needs (no libtorch, no CUDA toolkit, no pybind11).
 
 Environment switches:
   DCPX_SANITIZE=1   build with -fsanitize=address,undefined (see .ci/run)
+  DCPX_SANITIZE=thread  build with -fsanitize=thread (see scripts/tsan.sh)
   DCPX_WERROR=1     turn warnings into errors (CI)
   DCPX_DEBUG=1      -O0 -g
 """
@@ -34,6 +35,12 @@ if os.environ.get("DCPX_WERROR") == "1":
 if os.environ.get("DCPX_SANITIZE") == "1":
     san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
            "-fno-sanitize-recover=undefined"]
+    cflags += san + ["-g", "-O1"]
+    ldflags += san
+elif os.environ.get("DCPX_SANITIZE") == "thread":
+    # The interpreter and torch are not instrumented: libtsan is preloaded
+    # (scripts/sanitizer_env.sh) and only dcpx's own accesses are checked.
+    san = ["-fsanitize=thread", "-fno-omit-frame-pointer"]
     cflags += san + ["-g", "-O1"]
     ldflags += san
 
