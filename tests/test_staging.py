@@ -25,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import json
 import mmap
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -460,29 +462,50 @@ SOAK_MIB = max(4, int(os.environ.get("DCPX_SOAK_MIB", "16")))
 SOAK_RSS_SLACK = 32 << 20
 
 
+def _soak_report(samples: list, warm_rss: int, seconds: float) -> None:
+    """Print (and append to $DCPX_SOAK_REPORT as a JSON line) the first, the
+    largest and the last RSS and staged-bytes samples, in MiB."""
+    mib = lambda b: round(b / 2**20, 1)  # noqa: E731
+    rep = {"saves": SOAK_SAVES, "state_mib": SOAK_MIB, "seconds": round(seconds, 1),
+           "rss_mib": {"first": mib(samples[0][0]), "after_warmup": mib(warm_rss),
+                       "max": mib(max(r for r, _ in samples)), "last": mib(samples[-1][0])},
+           "staged_mib": {"first": mib(samples[0][1]), "max": mib(max(b for _, b in samples)),
+                          "last": mib(samples[-1][1])}}
+    print("soak:", json.dumps(rep))
+    if os.environ.get("DCPX_SOAK_REPORT"):
+        with open(os.environ["DCPX_SOAK_REPORT"], "a") as f:
+            f.write(json.dumps(rep) + "\n")
+
+
 def test_memory_stays_flat_over_many_async_saves(tmp_path):
     """SOAK_SAVES async_saves of a SOAK_MIB state dict with one stager (set
-    DCPX_SOAK_SAVES / DCPX_SOAK_MIB for a longer soak).  After a warm-up, the
-    process's resident memory, its open files and the staging memory stay
-    where they were: nothing per save is kept."""
+    DCPX_SOAK_SAVES / DCPX_SOAK_MIB for a longer soak, DCPX_SOAK_REPORT=file
+    for the figures).  After a warm-up, the process's resident memory, its
+    open files and the staging memory stay where they were: nothing per save
+    is kept."""
     big = SOAK_MIB - 2
     sd = {"embed": torch.randn(big << 18),                                  # big MiB
           **{f"layer{i}.w": torch.randn(256, 256) for i in range(7)},       # 1.75 MiB
           **{f"layer{i}.b": torch.randn(256) for i in range(50)},
           "step": 0}
     writers = [dcpx.FileSystemWriter(tmp_path / f"slot{i}", sync_files=False) for i in (0, 1)]
+    samples = []  # (RSS, staged bytes) once each save's staging completed
+    t0 = time.monotonic()
     with _open(dcpx.DefaultStager(dcpx.StagingOptions(use_async_staging=True))) as stager:
         for i in range(SOAK_SAVES):
             sd["step"] = i
             r = dcpx.async_save(sd, storage_writer=writers[i % 2], async_stager=stager)
             r.staging_completion.result(timeout=TIMEOUT)
             sd[f"layer{i % 7}.w"].add_(1)  # training goes on
+            samples.append((_rss(), stager.staged_bytes))
             if i == 4:
                 r.upload_completion.result(timeout=TIMEOUT)
                 gc.collect()
                 rss, fds, staged_bytes = _rss(), _fds(), stager.staged_bytes
         r.upload_completion.result(timeout=TIMEOUT)
         gc.collect()
+        samples.append((_rss(), stager.staged_bytes))  # after the last upload
+        _soak_report(samples, rss, time.monotonic() - t0)
         grew = _rss() - rss
         assert grew < SOAK_RSS_SLACK, f"RSS grew by {grew >> 20} MiB over {SOAK_SAVES} saves"
         assert _fds() <= fds, "file descriptors leak"
