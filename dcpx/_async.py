@@ -153,7 +153,7 @@ def async_save(
                 "process group with 'cpu:gloo,cuda:nccl'")
     process = AsyncCheckpointerType(async_checkpointer_type) == AsyncCheckpointerType.PROCESS
     writer = _writer_for(storage_writer, checkpoint_id)
-    if _dist_in_use(no_dist) and not process:
+    if _dist_in_use(no_dist):
         # The upload's collectives run on a group of their own.
         process_group = _dist.async_group(process_group)
     owned = None

@@ -70,19 +70,13 @@ class _Worker:
         if layout is None:
             self.conn.send(("values", config, staged))
         else:
-            buf = layout.buffer
             # Buffers are identified by a serial number, never by id(): a new
             # buffer may reuse a freed one's address.
-            self.sent_buffers = {n: r for n, r in self.sent_buffers.items()
-                                 if r() is not None and r().fd >= 0}
-            if buf.serial not in self.sent_buffers:
-                self.conn.send(("buffer", buf.serial, buf.size))
-                send_handle(self.conn, buf.fd, self.proc.pid)
-                self.sent_buffers[buf.serial] = weakref.ref(buf)
+            serial = self._send_buffer(layout.buffer)
             tensors = [(k, layout.offsets[k], str(v.dtype).removeprefix("torch."),
                         tuple(v.shape), v.requires_grad) for k, v in layout.dst.items()]
             values = {k: v for k, v in layout.flat.items() if k not in layout.dst}
-            self.conn.send(("staged", config, buf.serial, tensors, values, layout.mappings,
+            self.conn.send(("staged", config, serial, tensors, values, layout.mappings,
                             sorted(self.sent_buffers)))
         status, result = self.conn.recv()
         if status == "err":
@@ -90,19 +84,84 @@ class _Worker:
         return result
 
 
+    def run_dist(self, staged, stager, writer, group, use_collectives) -> Any:
+        """A multi-process save: this process coordinates with the other
+        ranks (on the upload thread, over async_save's own group) and the
+        checkpoint process writes this rank's data files."""
+        from . import _dist
+        from ._api import dist_path_state
+        from .staging import DefaultStager
+        if isinstance(staged, Future):
+            staged = staged.result()
+        layout = stager.shared_layout_of(staged) if isinstance(stager, DefaultStager) else None
+        if layout is not None:
+            flat, mappings = layout.flat, layout.mappings
+        else:
+            flat, mappings = dist_path_state(staged, writer, None, False)
+
+        def prepare(t: torch.Tensor, key: str) -> Any:
+            # What the checkpoint process needs to find the bytes: the key
+            # (in the shared buffer), or the tensor itself (sent by value).
+            return ("key", key) if layout is not None else ("tensor", t.contiguous())
+
+        def write(writer, prefix: str, entries: list) -> tuple:
+            tensors, others = [], []
+            for e in entries:
+                if isinstance(e.payload, tuple) and e.payload[0] == "key":
+                    dst = layout.dst[e.payload[1]]
+                    tensors.append((e.index, layout.offsets[e.payload[1]],
+                                    str(dst.dtype).removeprefix("torch."), tuple(dst.shape)))
+                elif isinstance(e.payload, tuple):
+                    others.append((e.index, e.payload[1]))
+                else:
+                    others.append((e.index, e.payload))
+            try:
+                serial = self._send_buffer(layout.buffer) if layout is not None else None
+                self.conn.send(("write", _writer_config(writer), serial, prefix, tensors,
+                                others, sorted(self.sent_buffers)))
+                status, result = self.conn.recv()
+            except (EOFError, OSError) as e:
+                raise RuntimeError(
+                    f"dcpx: the checkpoint process died while writing {writer.path} "
+                    f"(exit code {self.proc.exitcode}); that checkpoint was not "
+                    f"committed") from e
+            if status == "err":
+                raise result
+            return result
+
+        return _dist.save(writer, flat, mappings, group, use_collectives,
+                          prepare=prepare, write=write)
+
+    def _send_buffer(self, buf) -> int:
+        """Pass the buffer's memfd to the worker once; its serial."""
+        self.sent_buffers = {n: r for n, r in self.sent_buffers.items()
+                             if r() is not None and r().fd >= 0}
+        if buf.serial not in self.sent_buffers:
+            self.conn.send(("buffer", buf.serial, buf.size))
+            send_handle(self.conn, buf.fd, self.proc.pid)
+            self.sent_buffers[buf.serial] = weakref.ref(buf)
+        return buf.serial
+
+
 def submit_process_upload(staged, stager, writer, planner, process_group, no_dist,
                           use_collectives) -> Future:
-    from ._api import fast_path_eligible
+    from ._api import _dist_in_use, dist_path_eligible, fast_path_eligible
     from .filesystem import FileSystemWriter
-    if not (isinstance(writer, FileSystemWriter) and fast_path_eligible(writer, planner, no_dist)):
+    distributed = _dist_in_use(no_dist)
+    eligible = (dist_path_eligible(writer, planner, no_dist) if distributed
+                else fast_path_eligible(writer, planner, no_dist))
+    if not (isinstance(writer, FileSystemWriter) and eligible):
         raise NotImplementedError(
-            "dcpx: AsyncCheckpointerType.PROCESS supports single-process saves with "
-            "dcpx's FileSystemWriter and the default planner; use THREAD otherwise")
+            "dcpx: AsyncCheckpointerType.PROCESS supports dcpx's FileSystemWriter with the "
+            "default planner; use THREAD otherwise")
     global _worker
     with _lock:
         if _worker is None or not _worker.proc.is_alive():
             _worker = _Worker()
         w = _worker
+    if distributed:
+        return w.executor.submit(w.run_dist, staged, stager, writer, process_group,
+                                 use_collectives)
     return w.executor.submit(w.run, staged, stager, writer)
 
 
@@ -159,6 +218,12 @@ def _worker_main(conn) -> None:
             if kind == "values":
                 _, config, staged = msg
                 result = save(staged, storage_writer=FileSystemWriter(**config))
+            elif kind == "write":  # one rank's entries of a multi-process save
+                _, config, number, prefix, tensors, others, live = msg
+                for gone in set(buffers) - set(live):
+                    del buffers[gone]
+                result = _write_entries(FileSystemWriter(**config),
+                                        buffers.get(number), prefix, tensors, others)
             else:
                 _, config, number, tensors, values, mappings, live = msg
                 for gone in set(buffers) - set(live):  # freed by the parent
@@ -185,3 +250,24 @@ def _save_views(writer, base: torch.Tensor, tensors, values, mappings):
             t.requires_grad_(True)
         flat[key] = t
     return save_local(writer, flat, mappings, prepare=_staged_payload)
+
+
+def _write_entries(writer, base: Optional[torch.Tensor], prefix: str, tensors, others):
+    """Write a rank's entries: tensors as views of the shared buffer, the
+    rest (bytes, tensors sent by value) as they came."""
+    from ._async import _staged_payload
+    from ._dist import write_files
+    from .filesystem import _Entry
+    entries = []
+    for index, offset, dtype, shape in tensors:
+        dt = getattr(torch, dtype)
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+        t = base[offset:offset + n].view(dt).view(shape)
+        entries.append(_Entry(index, _staged_payload(t, ""), n))
+    for index, payload in others:
+        if isinstance(payload, torch.Tensor):
+            entries.append(_Entry(index, _staged_payload(payload, ""),
+                                  payload.numel() * payload.element_size()))
+        else:
+            entries.append(_Entry(index, payload, len(payload)))
+    return write_files(writer, prefix, entries)
