@@ -85,6 +85,13 @@ static int fill_view(dcpx_view *v, const DLTensor *t, int read_only)
     }
     v->numel = numel;
     v->nbytes = numel * v->itemsize;
+    if (t->data == NULL && numel > 0) {
+        /* A tensor without storage (a wrapper subclass): nothing to read. */
+        PyErr_Format(PyExc_ValueError,
+                     "dcpx: tensor of %llu elements has no data (NULL data pointer: "
+                     "a tensor subclass without storage?)", (unsigned long long)numel);
+        return -1;
+    }
     v->data = (char *)t->data + t->byte_offset;
 
     /* Compact row-major?  Dimensions of size 1 may carry any stride. */

@@ -91,6 +91,11 @@ def check_saveable(t: torch.Tensor, key: str) -> str:
     if t.device.type == "meta":
         raise ValueError(f"dcpx: cannot save {key!r}: it is on the meta device "
                          f"and has no data")
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        if t.numel() and t.data_ptr() == 0:
+            raise TypeError(f"dcpx: cannot save {key!r}: it is a {type(t).__name__} "
+                            f"without storage (a wrapper tensor subclass); save the "
+                            f"tensors it wraps")
     try:
         return storage_type_name(t.dtype)
     except TypeError as e:

@@ -3,8 +3,10 @@
 A wrapper tensor subclass (``torch.Tensor._make_wrapper_subclass``: what
 DTensor, FakeTensor and other subclasses are built on) has no storage: its
 DLPack export carries a NULL data pointer with a non-zero size.  dcpx's C
-core accepted such a view (``dcpx._C.probe_tensor`` reports ``ptr`` 0), and
-the writer / the staging copy then read from address 0: SIGSEGV.  That is
+core used to accept such a view (``dcpx._C.probe_tensor`` reported ``ptr``
+0), and the writer / the staging copy then read from address 0: SIGSEGV.
+Now the C core refuses a NULL data pointer with a non-zero size, and
+``check_saveable`` refuses a storage-less subclass naming its key.  That is
 how the async_save of a DTensor state dict crashed before the stager learnt
 to stage DTensors' local shards; any other storage-less subclass still gets
 there.  torch's ``dcp.save`` raises an exception for the same value.
@@ -62,12 +64,6 @@ def run_child(what: str, path: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120, env=env, cwd=str(REPO))
 
 
-BUG = ("dcpx bug: the C core accepts a DLPack export whose data pointer is NULL with a "
-       "non-zero size (a storage-less tensor subclass) and reads from address 0: SIGSEGV "
-       "in dcpx.save (WriteJob) and dcpx.async_save (copy_into); torch's dcp.save raises")
-
-
-@pytest.mark.xfail(strict=True, reason=BUG)
 @pytest.mark.parametrize("what", ["save", "async_save"])
 def test_storageless_tensor_is_refused_not_a_crash(tmp_path, what):
     r = run_child(what, str(tmp_path / "ckpt"))
@@ -75,3 +71,15 @@ def test_storageless_tensor_is_refused_not_a_crash(tmp_path, what):
         f"dcpx.{what} of a tensor without storage killed the process (exit code "
         f"{r.returncode}); stderr tail:\n{r.stderr[-2000:]}")
     assert r.stdout.startswith("raised"), f"dcpx.{what} accepted it: {r.stdout}"
+    assert "'w'" in r.stdout and "without storage" in r.stdout, r.stdout
+
+
+def test_c_core_refuses_null_data_pointer():
+    """The C check on its own (the Python check runs first in save)."""
+    import torch
+    from dcpx import _C
+    ns = {}
+    exec(CHILD.split("t = NoStorage")[0].replace("import sys, torch, dcpx", "import torch"), ns)
+    with pytest.raises(ValueError, match="no data"):
+        _C.probe_tensor(ns["NoStorage"]((4096,)))
+    assert _C.probe_tensor(ns["NoStorage"]((0,)))["nbytes"] == 0   # empty: nothing to read
