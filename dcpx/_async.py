@@ -100,7 +100,12 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
     """Write and commit one staged state dict (runs on the upload thread).
     With a process group, ``process_group`` is async_save's own group."""
     if isinstance(staged, Future):
-        staged = staged.result()
+        try:
+            staged = staged.result()
+        except Exception as e:
+            if dist_path_eligible(writer, planner, no_dist):
+                _dist.abort_save(process_group, e)  # the other ranks raise too
+            raise
     if _dist_in_use(no_dist):
         sharded = None
         if isinstance(stager, DefaultStager) and dist_path_eligible(writer, planner, no_dist):

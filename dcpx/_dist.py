@@ -278,6 +278,31 @@ def _raise_remote(what: str, errors: list, own: Optional[BaseException]) -> None
 _async_groups: dict = {}
 
 
+def _group_timeout(pg) -> Optional[Any]:
+    """The timeout the user gave ``pg`` (init_process_group / new_group),
+    so that async_save's own group gives up on a stuck peer as soon as the
+    user's would; None (gloo's default) if it cannot be found."""
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:
+            continue
+    return None
+
+
+def abort_save(group, error: BaseException) -> None:
+    """This rank cannot take part in a save (its staging failed): tell the
+    others through the save's first two collectives, so that they raise at
+    once instead of waiting for it; then raise ``error``."""
+    g = _Group(group)
+    gathered = g.gather(_failure(g.rank, error))
+    replies = None
+    if g.is_coordinator:
+        replies = [("err", [m[1] for m in gathered if m[0] != "ok"])] * g.size
+    g.scatter(replies)
+    raise error
+
+
 def async_group(process_group):
     """A gloo process group of async_save's own with the same ranks, so that
     its collectives (run on the upload thread) never interleave with the
@@ -290,7 +315,8 @@ def async_group(process_group):
         return pg
     ranks = (list(range(dist.get_world_size())) if process_group is None
              else dist.get_process_group_ranks(process_group))
-    pg = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    pg = dist.new_group(ranks, backend="gloo", timeout=_group_timeout(key),
+                        use_local_synchronization=True)
     # Forget groups from destroyed worlds.
     for k in [k for k, v in _async_groups.items() if v not in c10d._world.pg_map]:
         del _async_groups[k]

@@ -92,7 +92,10 @@ class _Worker:
         from ._api import dist_path_state
         from .staging import DefaultStager
         if isinstance(staged, Future):
-            staged = staged.result()
+            try:
+                staged = staged.result()
+            except Exception as e:
+                _dist.abort_save(group, e)  # the other ranks raise too
         layout = stager.shared_layout_of(staged) if isinstance(stager, DefaultStager) else None
         if layout is not None:
             flat, mappings = layout.flat, layout.mappings

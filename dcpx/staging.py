@@ -336,7 +336,7 @@ class DefaultStager:
     def _stage_flat(self, state_dict: dict, flat: dict, mappings: dict) -> dict:
         for k, v in flat.items():
             if isinstance(v, torch.Tensor):
-                check_saveable(v, k)  # the errors dcpx.save gives, naming the key
+                check_saveable(_local(v), k)  # the errors dcpx.save gives, naming the key
         with self._lock:
             layout = self._layout
             if layout is None or layout.signature != _signature(flat):

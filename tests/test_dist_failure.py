@@ -418,11 +418,6 @@ def _staging_fails_on_rank_1(rank, world_size, path):
             "metadata_unchanged": snapshot(path)[0] == before[0]}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dcpx bug: a rank whose async staging fails never joins the upload's collectives "
-    "(_async._upload raises at staged.result() before _dist.save), so the other ranks' "
-    "uploads wait in the first gather until the group's timeout or until that rank exits, "
-    "instead of failing at once as they do for a planning error"))
 def test_async_staging_fails_on_one_rank(tmp_path):
     """Rank 1's staging fails: every rank's upload future raises, promptly
     (well within the process-group timeout), and nothing is committed."""
@@ -464,12 +459,7 @@ def _peer_skips_async_save(rank, world_size, path, api):
 
 @pytest.mark.parametrize("api", [
     "torch",
-    pytest.param("dcpx", marks=pytest.mark.xfail(strict=True, reason=(
-        "dcpx bug: async_save's own gloo group (_dist.async_group) is made by "
-        "dist.new_group without a timeout, i.e. the 30-minute default, not the timeout "
-        "of the group it stands for: a stuck peer makes the upload wait until that peer "
-        "exits (30 min) instead of failing after init_process_group(timeout=...) as "
-        "torch's async_save does"))),
+    "dcpx",
 ])
 def test_async_save_stuck_peer_fails_after_the_group_timeout(tmp_path, api):
     """torch's behaviour (the reference run): the upload future raises once
