@@ -42,7 +42,7 @@ from ._api import (
     save,
     save_local,
 )
-from ._dtypes import dlpack_view, storage_type_name
+from ._dtypes import dlpack_export, dlpack_view, storage_type_name
 from .filesystem import FileSystemWriter
 from .staging import DefaultStager, StagingOptions
 
@@ -92,7 +92,7 @@ if hasattr(os, "register_at_fork"):
 def _staged_payload(t: torch.Tensor, key: str) -> tuple:
     """Staged tensors are contiguous host tensors already: no checks, no
     copies."""
-    return (dlpack_view(t.detach()), storage_type_name(t.dtype))
+    return (dlpack_export(dlpack_view(t.detach())), storage_type_name(t.dtype))
 
 
 def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _C, _metadata
-from ._dtypes import dlpack_view, storage_type_name
+from ._dtypes import dlpack_export, dlpack_view, storage_type_name
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
@@ -108,7 +108,7 @@ def tensor_payload(t: torch.Tensor, key: str) -> tuple:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
-    return (dlpack_view(t), stype)
+    return (dlpack_export(dlpack_view(t)), stype)
 
 
 class _Entry(NamedTuple):

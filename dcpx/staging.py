@@ -40,7 +40,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from . import _C
-from ._dtypes import dlpack_view
+from ._dtypes import dlpack_export, dlpack_view
 from ._gc import paused_gc
 from .filesystem import check_saveable
 
@@ -356,7 +356,8 @@ class DefaultStager:
                     continue
                 v = _local(v)
                 if v.device.type == "cpu":
-                    host_pairs.append((dlpack_view(v.detach()), layout.offsets[k]))
+                    host_pairs.append((dlpack_export(dlpack_view(v.detach())),
+                                       layout.offsets[k]))
                 elif v.device.type == "cuda":
                     cuda_pairs.append((v.detach(), dst))
                 else:  # other accelerators: torch's own copy

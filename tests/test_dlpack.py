@@ -446,3 +446,66 @@ def test_read_items_error_after_a_good_item_releases_it(tmp_path, bad):
         with pytest.raises((TypeError, IndexError, BufferError)):
             _C.read_items([path], [(0, offset, length, dst, "FloatStorage"), bad])
     assert refs(dst) == before
+
+
+# --------------------------------------------------------------------------
+# Capsules made by the caller (dcpx._dtypes.dlpack_export)
+
+def test_caller_made_capsule_is_consumed_once_and_released():
+    """A capsule from torch's C exporter is taken as is: renamed used_*, its
+    deleter run exactly once (the tensor's C++ use count comes back), and a
+    second use is refused with a TypeError instead of a double free."""
+    from dcpx._dtypes import dlpack_export
+    t = torch.arange(12, dtype=torch.float32)
+    before = refs(t)
+    cap = dlpack_export(t)
+    assert type(cap).__name__ == "PyCapsule" and 'dltensor_versioned' in repr(cap)
+    assert t._use_count() == before[1] + 1            # the capsule holds the tensor
+    info = _C.probe_tensor(cap)
+    assert info["ptr"] == t.data_ptr() and info["shape"] == (12,) and info["versioned"]
+    assert "used_dltensor_versioned" in repr(cap)
+    assert refs(t) == before                          # deleter ran once
+    with pytest.raises(TypeError, match="unused DLPack capsule"):
+        _C.probe_tensor(cap)
+    del cap
+    assert refs(t) == before
+
+
+def test_unconsumed_capsule_releases_on_its_own():
+    from dcpx._dtypes import dlpack_export
+    t = torch.ones(5)
+    before = refs(t)
+    cap = dlpack_export(t)
+    del cap                                           # torch's capsule destructor
+    assert refs(t) == before
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.ones(3, requires_grad=True),
+    lambda: torch.ones(3, dtype=torch.complex64).conj(),
+    lambda: torch.nn.Parameter(torch.ones(3)),
+])
+def test_dlpack_export_leaves_special_tensors_to_dlpack(make):
+    """Only plain, detached CPU tensors get a capsule; others go through
+    __dlpack__ (and its checks)."""
+    from dcpx._dtypes import dlpack_export
+    t = make()
+    assert dlpack_export(t) is t
+
+
+def test_write_job_with_capsules_writes_the_same_bytes(tmp_path):
+    from dcpx._dtypes import dlpack_export
+    a = torch.arange(1000, dtype=torch.int32)
+    b = torch.randn(7, 9)
+    job = _C.WriteJob([(str(tmp_path / "f"), [(dlpack_export(a), "IntStorage"),
+                                               (dlpack_export(b), "FloatStorage")])],
+                      sync_files=False, threads=1)
+    layout = job.layout()[0]
+    job.start()
+    job.wait()
+    job.release()
+    import io
+    raw = (tmp_path / "f").read_bytes()
+    for (off, length), want in zip(layout, (a, b)):
+        got = torch.load(io.BytesIO(raw[off:off + length]), weights_only=True)
+        assert torch.equal(got, want)
