@@ -14,7 +14,6 @@ Two paths, one format:
 """
 from __future__ import annotations
 
-import io
 import os
 import warnings
 from typing import Any, Union
@@ -38,6 +37,7 @@ from .filesystem import (
     FileSystemWriter,
     _Entry,
     tensor_payload,
+    value_payload,
 )
 
 __all__ = ["save", "load"]
@@ -125,13 +125,7 @@ def plan_local_save(writer: FileSystemWriter, flat: dict, mappings: dict,
                                   obj.numel() * obj.element_size()))
         else:
             sdm[fqn] = _BYTES_MD
-            buf = io.BytesIO()
-            try:
-                torch.save(obj, buf)
-            except Exception as e:
-                raise TypeError(f"dcpx: cannot save {fqn!r}: its value of type "
-                                f"{type(obj).__name__} does not pickle: {e}") from e
-            payload = buf.getvalue()
+            payload = value_payload(obj, fqn)
             entries.append(_Entry(MetadataIndex(fqn), payload, len(payload)))
     pending = writer.write_entries(prefix, entries)
     metadata = Metadata(

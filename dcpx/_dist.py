@@ -61,6 +61,7 @@ from .filesystem import (
     _Entry,
     _TensorRead,
     tensor_payload,
+    value_payload,
 )
 
 try:
@@ -137,13 +138,7 @@ def local_plan(flat: dict, prepare: Callable) -> tuple[list[LocalItem], list]:
                                    obj.dtype, obj.requires_grad,
                                    cuda and data.is_pinned(), nbytes))
         else:
-            buf = io.BytesIO()
-            try:
-                torch.save(obj, buf)
-            except Exception as e:
-                raise TypeError(f"dcpx: cannot save {fqn!r}: its value of type "
-                                f"{type(obj).__name__} does not pickle: {e}") from e
-            payload = buf.getvalue()
+            payload = value_payload(obj, fqn)
             payloads.append(payload)
             items.append(LocalItem(fqn, None, None, None, None, False, False, len(payload)))
     return items, payloads

@@ -111,6 +111,18 @@ def tensor_payload(t: torch.Tensor, key: str) -> tuple:
     return (dlpack_export(dlpack_view(t)), stype)
 
 
+def value_payload(obj: Any, key: str) -> bytes:
+    """A non-tensor value as the bytes item torch writes (``torch.save``),
+    or a clear error naming the key."""
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+    except Exception as e:
+        raise TypeError(f"dcpx: cannot save {key!r}: its value of type "
+                        f"{type(obj).__name__} does not pickle: {e}") from e
+    return buf.getvalue()
+
+
 class _Entry(NamedTuple):
     index: MetadataIndex
     payload: Any          # bytes, or (tensor, storage_type)
