@@ -187,12 +187,12 @@ def _mirror(value: Any, path: tuple, layout: "_Layout") -> Any:
 
 
 def _is_dtensor(v: Any) -> bool:
-    return DTensor is not None and isinstance(v, DTensor)
+    return type(v) is not torch.Tensor and DTensor is not None and isinstance(v, DTensor)
 
 
 def _local(v: torch.Tensor) -> torch.Tensor:
     """The bytes a tensor stages: a DTensor's local shard, or itself."""
-    return v._local_tensor if _is_dtensor(v) else v
+    return v if type(v) is torch.Tensor or not _is_dtensor(v) else v._local_tensor
 
 
 def _wrap_like(v: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -207,9 +207,11 @@ def _wrap_like(v: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 
 
 def _signature(flat: dict) -> tuple:
-    return tuple((k, v.dtype, tuple(v.shape), v.requires_grad,
-                  (tuple(v._local_tensor.shape), tuple(v.placements), v.device_mesh)
-                  if _is_dtensor(v) else None)
+    # Plain tensors first: this runs on every stage, for every tensor.
+    return tuple((k, v.dtype, v.shape, v.requires_grad, None) if type(v) is torch.Tensor
+                 else (k, v.dtype, v.shape, v.requires_grad,
+                       (tuple(v._local_tensor.shape), tuple(v.placements), v.device_mesh)
+                       if _is_dtensor(v) else None)
                  if isinstance(v, torch.Tensor) else k for k, v in flat.items())
 
 
