@@ -241,14 +241,19 @@ def _worker_main(conn) -> None:
                 conn.send(("err", RuntimeError(f"dcpx checkpoint process: {e!r}")))
 
 
+def _view_of(base: torch.Tensor, offset: int, dtype: str, shape: tuple) -> torch.Tensor:
+    """The staged tensor at ``offset`` of a shared buffer the parent sent."""
+    dt = getattr(torch, dtype)
+    n = torch.Size(shape).numel() * dt.itemsize
+    return base[offset:offset + n].view(dt).view(shape)
+
+
 def _save_views(writer, base: torch.Tensor, tensors, values, mappings):
     from ._api import save_local
     from ._async import _staged_payload
     flat = dict(values)
     for key, offset, dtype, shape, requires_grad in tensors:
-        dt = getattr(torch, dtype)
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-        t = base[offset:offset + n].view(dt).view(shape)
+        t = _view_of(base, offset, dtype, shape)
         if requires_grad:
             t.requires_grad_(True)
         flat[key] = t
@@ -263,10 +268,8 @@ def _write_entries(writer, base: Optional[torch.Tensor], prefix: str, tensors, o
     from .filesystem import _Entry
     entries = []
     for index, offset, dtype, shape in tensors:
-        dt = getattr(torch, dtype)
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-        t = base[offset:offset + n].view(dt).view(shape)
-        entries.append(_Entry(index, _staged_payload(t, ""), n))
+        t = _view_of(base, offset, dtype, shape)
+        entries.append(_Entry(index, _staged_payload(t, ""), t.numel() * t.element_size()))
     for index, payload in others:
         if isinstance(payload, torch.Tensor):
             entries.append(_Entry(index, _staged_payload(payload, ""),

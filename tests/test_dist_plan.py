@@ -103,19 +103,17 @@ def test_plan_reads_cost_grows_with_overlaps_not_with_all_chunks():
     would be 16.7 M chunk tests)."""
     n = 4096
     md = _metadata_for(_chunks_1d(list(range(n + 1))), (n, 8))
-    reads_total = 0
+    reads_total, cache = 0, {}
     t0 = time.perf_counter()
     for r in range(n):
         region = ChunkStorageMetadata(offsets=torch.Size([r, 0]), sizes=torch.Size([1, 8]))
-        cands = _dist._candidates(md.state_dict_metadata["w"], _cache, "w",
+        cands = _dist._candidates(md.state_dict_metadata["w"], cache, "w",
                                   region.offsets, region.sizes)
         reads_total += len(cands)
     elapsed = time.perf_counter() - t0
     assert reads_total == n             # exactly the overlapping chunk, each time
     assert elapsed < 5.0                # generous; brute force checks 16.7 M pairs
 
-
-_cache: dict = {}
 
 
 def test_plan_reads_resharding_regions_and_coverage(monkeypatch):
