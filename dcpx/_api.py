@@ -20,13 +20,18 @@ from typing import Any, Union
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as _tdcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
 )
+# torch's own save / load, captured once from their defining modules: a
+# script may replace torch.distributed.checkpoint.save / load (and the
+# state_dict_saver / state_dict_loader attributes) with dcpx's, and the
+# generic path below must not then call dcpx again (RecursionError).
+from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
+from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _dist, _metadata
@@ -237,9 +242,9 @@ def save(
                           use_collectives=use_collectives)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        return _tdcp.save(state_dict, storage_writer=writer, planner=planner,
-                          process_group=process_group, no_dist=no_dist,
-                          **_torch_kwargs(_tdcp.save, use_collectives=use_collectives))
+        return _torch_save(state_dict, storage_writer=writer, planner=planner,
+                           process_group=process_group, no_dist=no_dist,
+                           **_torch_kwargs(_torch_save, use_collectives=use_collectives))
 
 
 # --------------------------------------------------------------------- load
@@ -280,8 +285,8 @@ def load(
     else:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            _tdcp.load(stateful_sd, storage_reader=reader, planner=planner,
-                       process_group=process_group, no_dist=no_dist)
+            _torch_load(stateful_sd, storage_reader=reader, planner=planner,
+                        process_group=process_group, no_dist=no_dist)
     for k in keys:
         elem = state_dict[k]
         if is_stateful(elem):
