@@ -38,10 +38,12 @@ from . import _dist, _metadata
 from ._gc import paused_gc
 from .filesystem import (
     DCP_VERSION,
+    LOCAL_PROTOCOLS,
     FileSystemReader,
     FileSystemWriter,
     _Entry,
     tensor_payload,
+    url_protocol,
     value_payload,
 )
 
@@ -82,23 +84,32 @@ def _is_plain_or_value(obj: Any) -> bool:
     return not isinstance(obj, torch.Tensor) or _is_plain_tensor(obj)
 
 
-def _storage_for(storage, checkpoint_id, default_cls, name: str):
-    """The given writer/reader reset to checkpoint_id, or dcpx's own."""
+def _storage_for(storage, checkpoint_id, reader: bool):
+    """The given writer/reader reset to checkpoint_id, or dcpx's own for it:
+    the one place where a checkpoint_id picks its storage, as torch's
+    ``_storage_setup`` does.  Local paths and ``file://`` / ``local://`` URLs
+    go to FileSystemWriter / FileSystemReader, any other URL (``s3://``,
+    ``memory://``, ...) to dcpx.fsspec's FsspecWriter / FsspecReader."""
     if storage is None:
         if checkpoint_id is None:
+            name = "storage_reader" if reader else "storage_writer"
             raise RuntimeError(f"`checkpoint_id` must be specified if {name} is None.")
-        return default_cls(checkpoint_id)
+        proto = url_protocol(checkpoint_id)
+        if proto is None or proto in LOCAL_PROTOCOLS:
+            return (FileSystemReader if reader else FileSystemWriter)(checkpoint_id)
+        from .fsspec import FsspecReader, FsspecWriter
+        return (FsspecReader if reader else FsspecWriter)(checkpoint_id)
     if checkpoint_id is not None:
         storage.reset(checkpoint_id)
     return storage
 
 
 def _writer_for(storage_writer, checkpoint_id):
-    return _storage_for(storage_writer, checkpoint_id, FileSystemWriter, "storage_writer")
+    return _storage_for(storage_writer, checkpoint_id, reader=False)
 
 
 def _reader_for(storage_reader, checkpoint_id):
-    return _storage_for(storage_reader, checkpoint_id, FileSystemReader, "storage_reader")
+    return _storage_for(storage_reader, checkpoint_id, reader=True)
 
 
 def _torch_kwargs(fn, **kw) -> dict:
