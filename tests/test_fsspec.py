@@ -322,3 +322,30 @@ def test_metadata_is_written_last_and_a_failed_save_keeps_the_old_one(mem, monke
     out = _empty()
     dcpx.load(out, checkpoint_id=mem)
     assert_state_bit_equal(out, sd2)
+
+
+# ------------------------------------------------------------ process group
+
+def _two_rank_fsspec(rank, world_size, path):
+    """Each rank saves its own tensor plus a replicated one through
+    FsspecWriter (fsspec's local file system: memory:// does not cross
+    processes), then loads them back; torch's FsspecReader reads it too."""
+    import torch
+    import torch.distributed.checkpoint as tdcp
+
+    import dcpx
+    from dcpx.fsspec import FsspecReader, FsspecWriter
+    sd = {f"r{r}": torch.full((3,), float(r)) for r in range(world_size)}
+    sd["shared"] = torch.arange(5.0)
+    dcpx.save(sd, storage_writer=FsspecWriter(path))
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcpx.load(out, storage_reader=FsspecReader(path))
+    theirs = {k: torch.zeros_like(v) for k, v in sd.items()}
+    tdcp.load(theirs, storage_reader=tdcp.FileSystemReader(path))
+    return all(torch.equal(out[k], sd[k]) and torch.equal(theirs[k], sd[k]) for k in sd)
+
+
+@pytest.mark.dist
+def test_process_group_save_load(tmp_path):
+    from dist_helpers import spawn
+    assert spawn(_two_rank_fsspec, 2, str(tmp_path / "ckpt")) == [True, True]
