@@ -280,17 +280,25 @@ class FsspecWriter(StorageWriter):
         place; then delete the data files of the checkpoint it replaced."""
         store = self.store
         name = self._metadata_name()
-        data = _metadata.dumps(metadata)
-        previous = store.read_committed(name)
-        tmp = store.join(f"{name}.tmp.{self.save_id}")
+        tmp_name = f"{name}.tmp.{self.save_id}"
+        keep = {si.relative_path for si in metadata.storage_data.values()}
         try:
-            store.fs.pipe_file(tmp, data)
-            store.fs.mv(tmp, store.join(name))
+            data = _metadata.dumps(metadata)
+            previous = store.read_committed(name)
+            store.fs.pipe_file(store.join(tmp_name), data)
         except BaseException:
-            store.remove([f"{name}.tmp.{self.save_id}"])
+            # Nothing committed: this save's files (every rank's: their names
+            # are this save's own) would never be referenced.
+            store.remove([tmp_name] + sorted(keep))
+            raise
+        try:
+            store.fs.mv(store.join(tmp_name), store.join(name))
+        except BaseException:
+            # The move may have happened (a copy, then a failed delete): the
+            # data files stay, only the temporary name goes.
+            store.remove([tmp_name])
             raise
         if previous is not None:
-            keep = {si.relative_path for si in metadata.storage_data.values()}
             store.remove({si.relative_path for si in previous.storage_data.values()
                           if getattr(si, "relative_path", None)} - keep)
 

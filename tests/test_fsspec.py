@@ -324,6 +324,33 @@ def test_metadata_is_written_last_and_a_failed_save_keeps_the_old_one(mem, monke
     assert_state_bit_equal(out, sd2)
 
 
+@pytest.mark.parametrize("failing", ["pipe_file", "mv"])
+def test_failed_commit_keeps_the_old_checkpoint(mem, monkeypatch, failing):
+    """Writing or moving .metadata fails: the save raises, the previous
+    checkpoint loads bit-exactly, no temporary metadata is left, and (when
+    nothing can have been committed) neither is any file of the failed save."""
+    sd = _state()
+    dcpx.save(sd, checkpoint_id=mem)
+    before = _names(mem)
+    fs = fsspec.filesystem("memory")
+
+    def fail(self, *a, **k):
+        raise OSError(28, f"injected {failing} failure")
+
+    monkeypatch.setattr(type(fs), failing, fail)
+    sd2 = {k: (v + 1 if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    with pytest.raises((OSError, CheckpointException), match="injected"):
+        dcpx.save(sd2, checkpoint_id=mem)
+    monkeypatch.undo()
+    after = _names(mem)
+    assert not any(".tmp." in n for n in after), after
+    if failing == "pipe_file":
+        assert after == before
+    out = _empty()
+    dcpx.load(out, checkpoint_id=mem)
+    assert_state_bit_equal(out, sd)
+
+
 # ------------------------------------------------------------ process group
 
 def _two_rank_fsspec(rank, world_size, path):
