@@ -149,6 +149,40 @@ def test_dcpx_reads_torch_memory_url(mem):
     assert_state_bit_equal(out, sd)
 
 
+def test_writer_pickles_for_another_process_unless_in_memory(mem, tmp_path):
+    """What a PROCESS checkpoint process would receive: a writer for a store
+    other processes can reach pickles and saves; a memory:// one refuses."""
+    import pickle
+
+    from dcpx.fsspec import FsspecReader, FsspecWriter
+    with pytest.raises(ValueError, match="memory.*THREAD"):
+        pickle.dumps(FsspecWriter(mem))
+    w = pickle.loads(pickle.dumps(FsspecWriter(str(tmp_path / "ck"), thread_count=2)))
+    sd = _state()
+    dcpx.save(sd, storage_writer=w)
+    out = _empty()
+    dcpx.load(out, storage_reader=FsspecReader(str(tmp_path / "ck")))
+    assert_state_bit_equal(out, sd)
+
+
+def test_validate_checkpoint_id_as_torch():
+    from pathlib import Path
+
+    from dcpx.fsspec import FsspecReader, FsspecWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as TorchFsspecWriter
+    for cid in ("memory://a", "s3://b/c" if importlib.util.find_spec("s3fs") else "gcs-no://x",
+                "file:///tmp/x", "rel/path", Path("/tmp/x"), "nosuchproto://x"):
+        try:
+            expected = TorchFsspecWriter.validate_checkpoint_id(cid)
+        except ImportError:
+            expected = False
+        assert FsspecWriter.validate_checkpoint_id(cid) == expected, cid
+        assert FsspecReader.validate_checkpoint_id(cid) == expected, cid
+        if not isinstance(cid, Path) and "://" in cid:  # URLs: never the local writer's
+            assert dcpx.FileSystemWriter.validate_checkpoint_id(cid) is False
+            assert tdcp.FileSystemWriter.validate_checkpoint_id(cid) is False
+
+
 # ------------------------------------------------------------ file://
 
 def test_file_urls_are_local_paths(cwd, tmp_path):
