@@ -95,6 +95,18 @@ def test_async_save_thread_memory_url(mem):
     assert_state_bit_equal(out, expected)
 
 
+def test_async_save_with_async_stager_memory_url(mem):
+    sd = _state()
+    with dcpx.DefaultStager() as stager:
+        for _ in range(2):  # the stager's buffer reused for the second save
+            resp = dcpx.async_save(sd, checkpoint_id=mem, async_stager=stager)
+            resp.staging_completion.result(timeout=60)
+            resp.upload_completion.result(timeout=60)
+    out = _empty()
+    dcpx.load(out, checkpoint_id=mem)
+    assert_state_bit_equal(out, sd)
+
+
 def test_async_save_process_memory_url_refused(mem):
     """A memory:// store cannot be seen from a checkpoint process: a clear
     error, and nothing written."""
