@@ -102,6 +102,7 @@ def test_async_save_with_async_stager_memory_url(mem):
             resp = dcpx.async_save(sd, checkpoint_id=mem, async_stager=stager)
             resp.staging_completion.result(timeout=60)
             resp.upload_completion.result(timeout=60)
+    assert ".metadata" in _names(mem)
     out = _empty()
     dcpx.load(out, checkpoint_id=mem)
     assert_state_bit_equal(out, sd)
