@@ -34,7 +34,6 @@ backend, e.g. s3fs) the error names the protocol and what to install.
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import tempfile
 import uuid
