@@ -20,23 +20,30 @@ from typing import Any, Union
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as _tdcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
 )
+# torch's own save / load, captured once from their defining modules: a
+# script may replace torch.distributed.checkpoint.save / load (and the
+# state_dict_saver / state_dict_loader attributes) with dcpx's, and the
+# generic path below must not then call dcpx again (RecursionError).
+from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
+from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _dist, _metadata
 from ._gc import paused_gc
 from .filesystem import (
     DCP_VERSION,
+    LOCAL_PROTOCOLS,
     FileSystemReader,
     FileSystemWriter,
     _Entry,
     tensor_payload,
+    url_protocol,
     value_payload,
 )
 
@@ -77,23 +84,32 @@ def _is_plain_or_value(obj: Any) -> bool:
     return not isinstance(obj, torch.Tensor) or _is_plain_tensor(obj)
 
 
-def _storage_for(storage, checkpoint_id, default_cls, name: str):
-    """The given writer/reader reset to checkpoint_id, or dcpx's own."""
+def _storage_for(storage, checkpoint_id, reader: bool):
+    """The given writer/reader reset to checkpoint_id, or dcpx's own for it:
+    the one place where a checkpoint_id picks its storage, as torch's
+    ``_storage_setup`` does.  Local paths and ``file://`` / ``local://`` URLs
+    go to FileSystemWriter / FileSystemReader, any other URL (``s3://``,
+    ``memory://``, ...) to dcpx.fsspec's FsspecWriter / FsspecReader."""
     if storage is None:
         if checkpoint_id is None:
+            name = "storage_reader" if reader else "storage_writer"
             raise RuntimeError(f"`checkpoint_id` must be specified if {name} is None.")
-        return default_cls(checkpoint_id)
+        proto = url_protocol(checkpoint_id)
+        if proto is None or proto in LOCAL_PROTOCOLS:
+            return (FileSystemReader if reader else FileSystemWriter)(checkpoint_id)
+        from .fsspec import FsspecReader, FsspecWriter
+        return (FsspecReader if reader else FsspecWriter)(checkpoint_id)
     if checkpoint_id is not None:
         storage.reset(checkpoint_id)
     return storage
 
 
 def _writer_for(storage_writer, checkpoint_id):
-    return _storage_for(storage_writer, checkpoint_id, FileSystemWriter, "storage_writer")
+    return _storage_for(storage_writer, checkpoint_id, reader=False)
 
 
 def _reader_for(storage_reader, checkpoint_id):
-    return _storage_for(storage_reader, checkpoint_id, FileSystemReader, "storage_reader")
+    return _storage_for(storage_reader, checkpoint_id, reader=True)
 
 
 def _torch_kwargs(fn, **kw) -> dict:
@@ -237,9 +253,9 @@ def save(
                           use_collectives=use_collectives)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        return _tdcp.save(state_dict, storage_writer=writer, planner=planner,
-                          process_group=process_group, no_dist=no_dist,
-                          **_torch_kwargs(_tdcp.save, use_collectives=use_collectives))
+        return _torch_save(state_dict, storage_writer=writer, planner=planner,
+                           process_group=process_group, no_dist=no_dist,
+                           **_torch_kwargs(_torch_save, use_collectives=use_collectives))
 
 
 # --------------------------------------------------------------------- load
@@ -280,8 +296,8 @@ def load(
     else:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            _tdcp.load(stateful_sd, storage_reader=reader, planner=planner,
-                       process_group=process_group, no_dist=no_dist)
+            _torch_load(stateful_sd, storage_reader=reader, planner=planner,
+                        process_group=process_group, no_dist=no_dist)
     for k in keys:
         elem = state_dict[k]
         if is_stateful(elem):

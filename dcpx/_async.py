@@ -158,6 +158,8 @@ def async_save(
                 "process group with 'cpu:gloo,cuda:nccl'")
     process = AsyncCheckpointerType(async_checkpointer_type) == AsyncCheckpointerType.PROCESS
     writer = _writer_for(storage_writer, checkpoint_id)
+    if process and hasattr(writer, "check_crosses_processes"):
+        writer.check_crosses_processes()  # memory:// lives in this process only
     if _dist_in_use(no_dist):
         # The upload's collectives run on a group of their own.
         process_group = _dist.async_group(process_group)

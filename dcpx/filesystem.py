@@ -78,6 +78,42 @@ def _check_dir(path: Path, create: bool) -> None:
         path.mkdir(parents=True, exist_ok=True)
 
 
+#: URL protocols that name the local file system (fsspec's LocalFileSystem).
+LOCAL_PROTOCOLS = ("file", "local")
+
+
+def url_protocol(checkpoint_id: Union[str, os.PathLike]) -> Optional[str]:
+    """The protocol of a URL checkpoint_id (``"s3"`` for ``s3://b/k``), or
+    None for a local path.  As torch's FileSystem.validate_checkpoint_id: a
+    ``Path`` is always local, a string is a URL when it contains ``://``."""
+    if isinstance(checkpoint_id, Path):
+        return None
+    s = os.fspath(checkpoint_id)
+    if isinstance(s, bytes):
+        s = os.fsdecode(s)
+    if "://" not in s:
+        return None
+    return s.split("://", 1)[0]
+
+
+def local_path(path: Union[str, os.PathLike]) -> Path:
+    """The local directory a FileSystemWriter / FileSystemReader path names:
+    a plain path, or a ``file://`` / ``local://`` URL with the protocol
+    stripped as fsspec strips it (``file:///abs`` is ``/abs``, ``file://rel``
+    is ``rel`` under the working directory).  Any other URL is refused:
+    dcpx never makes a local directory named after a URL (``s3:``)."""
+    proto = url_protocol(path)
+    if proto is None:
+        return Path(path)
+    if proto in LOCAL_PROTOCOLS:
+        return Path(os.fsdecode(os.fspath(path)).split("://", 1)[1])
+    raise ValueError(
+        f"dcpx: {os.fsdecode(os.fspath(path))!r} is a {proto}:// URL, not a local path: "
+        f"FileSystemWriter / FileSystemReader store only on the local file system. Pass "
+        f"the URL as checkpoint_id without a storage object, or use "
+        f"dcpx.fsspec.FsspecWriter / FsspecReader")
+
+
 def check_saveable(t: torch.Tensor, key: str) -> str:
     """The storage type name of a tensor dcpx can save, or a clear error
     naming the key."""
@@ -247,7 +283,7 @@ class FileSystemWriter(StorageWriter):
                 f"(only TORCH_SAVE)")
         if int(thread_count) < 1:
             raise ValueError(f"dcpx: thread_count must be >= 1, got {thread_count}")
-        self.path = Path(path)
+        self.path = local_path(path)
         self.single_file_per_rank = single_file_per_rank
         self.sync_files = sync_files
         self.thread_count = int(thread_count)
@@ -262,7 +298,7 @@ class FileSystemWriter(StorageWriter):
     # -- StorageWriter protocol ------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = local_path(checkpoint_id)
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -438,7 +474,7 @@ class FileSystemReader(StorageReader):
                  thread_count: Optional[int] = None, verify: bool = True,
                  allow_pickle: bool = False) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.path = local_path(path)
         self.thread_count = thread_count or min(4, os.cpu_count() or 1)
         self.verify = verify
         self.allow_pickle = allow_pickle
@@ -454,7 +490,7 @@ class FileSystemReader(StorageReader):
         self.storage_data = {}
         self._chunks = None
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = local_path(checkpoint_id)
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:

@@ -16,7 +16,7 @@ fi
 stamp="$VENV/.dcpx-deps-1"
 if [ ! -f "$stamp" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0" numpy pytest hypothesis
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" numpy pytest hypothesis fsspec
     touch "$stamp"
 fi
 # Rebuild the extension every time: it takes seconds and follows the sources.
