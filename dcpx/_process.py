@@ -91,6 +91,9 @@ class _Worker:
         from . import _dist
         from ._api import dist_path_state
         from .staging import DefaultStager
+        if isinstance(group, _dist.AsyncTicket):
+            with group.turn() as pg:
+                return self.run_dist(staged, stager, writer, pg, use_collectives)
         if isinstance(staged, Future):
             try:
                 staged = staged.result()
