@@ -370,7 +370,12 @@ class AsyncGroup:
         self.ranks = ranks
         self.rank = ranks.index(dist.get_rank())
         self.timeout = timeout if timeout is not None else c10d.default_pg_timeout
-        name = getattr(parent, "group_name", None) or "default"
+        # Same on every rank of the group, distinct for groups that share
+        # the store: the group's name and ranks, and how many times this
+        # process made one for them (a world destroyed and made again).
+        import hashlib
+        name = (getattr(parent, "group_name", None) or "default") + ":" + hashlib.sha1(
+            ",".join(map(str, ranks)).encode()).hexdigest()[:12]
         n = AsyncGroup._instances[name] = AsyncGroup._instances.get(name, -1) + 1
         self.prefix = f"dcpx_async/{name}/{n}"
         self.store = c10d._get_default_store()
@@ -393,6 +398,15 @@ class AsyncGroup:
             key = f"{self.prefix}/{seq - 1}"
             self.store.wait([f"{key}/done"], self.timeout)
             rebuild = rebuild or int(self.store.add(f"{key}/failed", 0)) > 0
+            if seq >= 2 and self.rank == 0:
+                # Every rank has read save seq-2's counters (it started save
+                # seq-1, which has ended everywhere): drop them.
+                old_key = f"{self.prefix}/{seq - 2}"
+                for name in ("failed", "arrived", "done"):
+                    try:
+                        self.store.delete_key(f"{old_key}/{name}")
+                    except Exception:  # a store without delete_key: a few bytes
+                        break
         if rebuild:
             old, self.pg = self.pg, None
             if old is not None:

@@ -121,3 +121,44 @@ def test_async_save_recovers_after_a_collective_timeout(tmp_path, kind, first):
             f"rank {r}: the save after the timeout failed (all ranks took part): {rep}")
         assert rep["v3_loaded_step"] == 3, rep
         assert rep["v4"] == "ok", f"rank {r}: the save after that failed: {rep}"
+
+
+def _one_rank_fails_after_the_collectives(rank, world_size, path):
+    """Rank 1's save fails after the save's collectives went fine (injected
+    after dcpx's coordination returned), so rank 0 sees success.  Both must
+    still rebuild at the next save (else they would meet on different
+    groups and that save would hang until the timeout)."""
+    from dcpx import _dist
+
+    def pg_now():
+        (group,) = _dist._async_groups.values()
+        return group.pg
+
+    dcpx.async_save(_state(1), checkpoint_id=path + "/v1").result(timeout=60)
+    first = pg_now()
+    original = _dist.save
+
+    def failing_save(*a, **k):
+        md = original(*a, **k)
+        raise RuntimeError("injected after the collectives")
+
+    if rank == 1:
+        _dist.save = failing_save
+    try:
+        v2 = _outcome(dcpx.async_save(_state(2), checkpoint_id=path + "/v2"))
+    finally:
+        _dist.save = original
+    v3 = _outcome(dcpx.async_save(_state(3), checkpoint_id=path + "/v3"))
+    return {"v2": v2, "v3": v3, "rebuilt": pg_now() is not first}
+
+
+def test_ranks_rebuild_together_when_only_one_saw_the_failure(tmp_path):
+    outs = spawn_outcomes(_one_rank_fails_after_the_collectives, 2, str(tmp_path / "c"),
+                          pg_timeout=SHORT_PG_TIMEOUT, timeout=120)
+    for o in outs:
+        assert o.ok, o.describe()
+    r0, r1 = (o.value for o in outs)
+    assert r0["v2"] == "ok" and "injected" in r1["v2"], f"test setup: {r0}, {r1}"
+    assert r0["v3"] == "ok" and r1["v3"] == "ok", (r0, r1)
+    assert r0["rebuilt"] and r1["rebuilt"], (
+        f"only the rank that saw the failure rebuilt the group: {r0}, {r1}")
