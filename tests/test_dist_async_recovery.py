@@ -162,3 +162,33 @@ def test_ranks_rebuild_together_when_only_one_saw_the_failure(tmp_path):
     assert r0["v3"] == "ok" and r1["v3"] == "ok", (r0, r1)
     assert r0["rebuilt"] and r1["rebuilt"], (
         f"only the rank that saw the failure rebuilt the group: {r0}, {r1}")
+
+
+def _thread_and_process_interleaved(rank, world_size, path):
+    """THREAD and PROCESS uploads run on different threads; on one group
+    they must still take their turns in call order."""
+    futs = []
+    for i in range(3):
+        for kind in ("thread", "process"):
+            v = 10 * i + (kind == "process")
+            fut, err = _save(f"{path}/v{v}", v, kind)
+            assert err is None, repr(err)
+            futs.append((v, fut))
+    out = {}
+    for v, fut in futs:
+        out[v] = _outcome(fut)
+    for v in out:
+        if out[v] == "ok":
+            sd = {"w": torch.zeros(256), "step": None}
+            dcpx.load(sd, checkpoint_id=f"{path}/v{v}")
+            assert_bit_equal(sd["w"], _state(v)["w"], f"v{v}")
+    return out
+
+
+def test_thread_and_process_uploads_take_turns_on_one_group(tmp_path):
+    outs = spawn_outcomes(_thread_and_process_interleaved, 2, str(tmp_path / "c"),
+                          timeout=180)
+    for o in outs:
+        assert o.ok, o.describe()
+    for o in outs:
+        assert all(v == "ok" for v in o.value.values()), o.value
