@@ -11,6 +11,10 @@ same pages and hands views of them to the C writer.  What crosses the pipe
 per save is only the layout (key, offset, dtype, shape), the non-tensor
 values and the writer's settings.  State dicts staged any other way are
 sent over the pipe by value.
+
+Any other StorageWriter or a custom planner goes to the checkpoint process
+pickled, as torch sends them (``run_torch``; with a process group only the
+writer's ``write_data`` runs there, ``run_torch_dist``).
 """
 from __future__ import annotations
 
