@@ -98,7 +98,11 @@ def _staged_payload(t: torch.Tensor, key: str) -> tuple:
 def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
             use_collectives):
     """Write and commit one staged state dict (runs on the upload thread).
-    With a process group, ``process_group`` is async_save's own group."""
+    With a process group, ``process_group`` is the save's ticket for
+    async_save's own group (``_dist.async_group``)."""
+    if isinstance(process_group, _dist.AsyncTicket):
+        with process_group.turn() as pg:
+            return _upload(staged, stager, writer, planner, pg, no_dist, use_collectives)
     if isinstance(staged, Future):
         try:
             staged = staged.result()
@@ -161,7 +165,9 @@ def async_save(
     if process and hasattr(writer, "check_crosses_processes"):
         writer.check_crosses_processes()  # memory:// lives in this process only
     if _dist_in_use(no_dist):
-        # The upload's collectives run on a group of their own.
+        # The upload's collectives run on a group of their own, made on the
+        # upload thread: as in torch, a coordination failure is reported on
+        # the upload future, never raised here.
         process_group = _dist.async_group(process_group)
     owned = None
     if async_stager is None:
@@ -169,14 +175,19 @@ def async_save(
             async_stager = writer  # torch's writers are their own stager
         else:  # per call, as torch's; shared memory lets a PROCESS upload map it
             async_stager = owned = DefaultStager(StagingOptions(False, process, False, False))
-    staged = async_stager.stage(_stateful_to_state_dict(state_dict))
+    try:
+        staged = async_stager.stage(_stateful_to_state_dict(state_dict))
 
-    args = (staged, async_stager, writer, planner, process_group, no_dist, use_collectives)
-    if process:
-        from ._process import submit_process_upload
-        upload = submit_process_upload(*args)
-    else:
-        upload = _uploader().submit(_upload, *args)
+        args = (staged, async_stager, writer, planner, process_group, no_dist, use_collectives)
+        if process:
+            from ._process import submit_process_upload
+            upload = submit_process_upload(*args)
+        else:
+            upload = _uploader().submit(_upload, *args)
+    except BaseException:
+        if isinstance(process_group, _dist.AsyncTicket):
+            process_group.abandon()  # no upload: this save counts as failed here
+        raise
     if isinstance(async_stager, DefaultStager):
         async_stager.lease_to(upload)
     if owned is not None:

@@ -32,11 +32,13 @@ error on all.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import heapq
 import io
 import os
 import pickle
+import threading
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -60,6 +62,7 @@ from .filesystem import (
     FileSystemWriter,
     _Entry,
     _TensorRead,
+    _path_key,
     tensor_payload,
     value_payload,
 )
@@ -259,6 +262,44 @@ class _Group:
         return out
 
 
+def path_key(path: Any) -> str:
+    """What ranks compare to agree on a checkpoint directory: the path as
+    given, lexically normalised (``a//b/./c/`` is ``a/b/c``).  Neither the
+    working directory nor symlinks are resolved: ranks on different hosts
+    may mount one file system at different places, and the same string on
+    every rank is what torch's and dcpx's users pass (docs/design.md)."""
+    return _path_key(path)
+
+
+def disagreeing_paths(paths: list, limit: int = 8) -> Optional[str]:
+    """None when every rank that reported a path reported the same one;
+    else an error message naming the paths and which ranks have which."""
+    by_path: dict = {}
+    for r, p in enumerate(paths):
+        if p is not None:
+            by_path.setdefault(p, []).append(r)
+    if len(by_path) <= 1:
+        return None
+    groups = sorted(by_path.items(), key=lambda kv: kv[1][0])
+    shown = "; ".join(f"{_ranks_text(rs)}: {p!r}" for p, rs in groups[:limit])
+    if len(groups) > limit:
+        shown += f"; and {len(groups) - limit} other paths"
+    return (f"dcpx: the ranks were given {len(groups)} different checkpoint paths "
+            f"({shown}); every rank must save into the same directory (a per-rank "
+            f"timestamp or hostname in checkpoint_id?). Nothing was written.")
+
+
+def _ranks_text(ranks: list) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return "ranks " + ",".join(runs)
+
+
 def _failure(rank: int, e: BaseException) -> tuple:
     return ("err", f"rank {rank}: {type(e).__name__}: {e}")
 
@@ -271,6 +312,7 @@ def _raise_remote(what: str, errors: list, own: Optional[BaseException]) -> None
 
 
 _async_groups: dict = {}
+_async_groups_lock = threading.Lock()
 
 
 def _group_timeout(pg) -> Optional[Any]:
@@ -298,25 +340,166 @@ def abort_save(group, error: BaseException) -> None:
     raise error
 
 
-def async_group(process_group):
-    """A gloo process group of async_save's own with the same ranks, so that
-    its collectives (run on the upload thread) never interleave with the
-    training's on ``process_group``.  Created once per group, on the calling
-    thread, by its ranks only (``use_local_synchronization``)."""
+class AsyncGroup:
+    """async_save's own gloo group for one user group, with the same ranks,
+    so that the upload's collectives never interleave with the training's.
+
+    It is made (and remade) on the upload thread, under a name of dcpx's own
+    (``dcpx_async/<user group>/<instance>/pg<seq>``), never from the number
+    of groups this process happens to have.  After a failed save a gloo
+    group may be unusable (a collective that timed out leaves its pairs
+    broken, and every later collective on it fails at once), so the ranks
+    rebuild it, and they must all do so at the same save: the decision is
+    made from what every rank reports to the default store after each save
+    (docs/design.md, "async_save's group after a failure")::
+
+        save k ends (ok or not)   add <k>/failed (if it failed), add <k>/arrived;
+                                  the last to arrive sets <k>/done
+        save k+1 starts           wait for <k>/done; rebuild iff <k>/failed > 0
+
+    Every rank reads the same counters after every rank has reported, so
+    they all rebuild at the same save, whichever of them saw the failure.
+    Saves take numbers in ``async_save`` call order (``ticket``) and run in
+    that order (``turn``), THREAD and PROCESS uploads alike."""
+
+    _instances: dict = {}
+
+    def __init__(self, parent, ranks: list, timeout) -> None:
+        from torch.distributed import distributed_c10d as c10d
+        self.parent = parent
+        self.ranks = ranks
+        self.rank = ranks.index(dist.get_rank())
+        self.timeout = timeout if timeout is not None else c10d.default_pg_timeout
+        # Same on every rank of the group, distinct for groups that share
+        # the store: the group's name and ranks, and how many times this
+        # process made one for them (a world destroyed and made again).
+        import hashlib
+        name = (getattr(parent, "group_name", None) or "default") + ":" + hashlib.sha1(
+            ",".join(map(str, ranks)).encode()).hexdigest()[:12]
+        n = AsyncGroup._instances[name] = AsyncGroup._instances.get(name, -1) + 1
+        self.prefix = f"dcpx_async/{name}/{n}"
+        self.store = c10d._get_default_store()
+        self.pg = None
+        self.cond = threading.Condition()
+        self.next_seq = 0          # the calling thread's next ticket
+        self.finished = 0          # saves below this number have finished here
+        self.ended: set = set()    # finished saves at or above it
+
+    def ticket(self) -> "AsyncTicket":
+        with self.cond:
+            seq, self.next_seq = self.next_seq, self.next_seq + 1
+        return AsyncTicket(self, seq)
+
+    def _ready(self, seq: int):
+        """The group save ``seq`` runs on: built for the first save, rebuilt
+        on every rank when the previous save failed on any."""
+        rebuild = self.pg is None
+        if seq > 0:
+            key = f"{self.prefix}/{seq - 1}"
+            self.store.wait([f"{key}/done"], self.timeout)
+            rebuild = rebuild or int(self.store.add(f"{key}/failed", 0)) > 0
+            if seq >= 2 and self.rank == 0:
+                # Every rank has read save seq-2's counters (it started save
+                # seq-1, which has ended everywhere): drop them.
+                old_key = f"{self.prefix}/{seq - 2}"
+                for name in ("failed", "arrived", "done"):
+                    try:
+                        self.store.delete_key(f"{old_key}/{name}")
+                    except Exception:  # a store without delete_key: a few bytes
+                        break
+        if rebuild:
+            old, self.pg = self.pg, None
+            if old is not None:
+                try:
+                    dist.destroy_process_group(old)
+                except Exception:  # already broken: nothing to release cleanly
+                    pass
+            self.pg = self._build(seq)
+        return self.pg
+
+    def _build(self, seq: int):
+        from torch.distributed import distributed_c10d as c10d
+        name = f"{self.prefix}/pg{seq}"
+        try:
+            pg, _ = c10d._new_process_group_helper(
+                len(self.ranks), self.rank, self.ranks, "gloo", self.store, name,
+                timeout=self.timeout)
+        except TypeError:  # another torch's private signature: torch's naming
+            return dist.new_group(self.ranks, backend="gloo", timeout=self.timeout,
+                                  use_local_synchronization=True)
+        c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(self.ranks)}
+        return pg
+
+    def _end(self, seq: int, failed: bool) -> None:
+        key = f"{self.prefix}/{seq}"
+        try:
+            if failed:
+                self.store.add(f"{key}/failed", 1)
+            if int(self.store.add(f"{key}/arrived", 1)) == len(self.ranks):
+                self.store.set(f"{key}/done", "1")
+        except Exception:
+            # The store is gone (the job is ending: rank 0, its host, may
+            # exit as soon as its own last save returned).  The save's own
+            # outcome stands; a next save would fail at its wait (above)
+            # and be counted as failed, so the ranks still agree.
+            pass
+        finally:
+            with self.cond:
+                self.ended.add(seq)
+                while self.finished in self.ended:
+                    self.ended.discard(self.finished)
+                    self.finished += 1
+                self.cond.notify_all()
+
+
+class AsyncTicket:
+    """One async_save's place in its AsyncGroup's sequence of saves."""
+
+    def __init__(self, group: AsyncGroup, seq: int) -> None:
+        self.group = group
+        self.seq = seq
+        self._used = False
+
+    @contextlib.contextmanager
+    def turn(self):
+        """On the upload thread: wait for this rank's earlier saves on the
+        group, then yield the process group to save on; the save's outcome
+        (an exception out of the block is a failure) goes to the store."""
+        g = self.group
+        self._used = True
+        with g.cond:
+            g.cond.wait_for(lambda: g.finished >= self.seq)
+        failed = True
+        try:
+            yield g._ready(self.seq)
+            failed = False
+        finally:
+            g._end(self.seq, failed)
+
+    def abandon(self) -> None:
+        """async_save failed before its upload was submitted: the save
+        counts as failed on this rank (the others rebuild with it)."""
+        if not self._used:
+            self._used = True
+            self.group._end(self.seq, True)
+
+
+def async_group(process_group) -> AsyncTicket:
+    """A ticket for one async_save on ``process_group`` (None: the default
+    group): its turn yields async_save's own group, see AsyncGroup.  Takes
+    no collective: nothing here can fail for another rank's sake."""
     from torch.distributed import distributed_c10d as c10d
     key = process_group if process_group is not None else c10d._get_default_group()
-    pg = _async_groups.get(key)
-    if pg is not None and pg in c10d._world.pg_map:
-        return pg
-    ranks = (list(range(dist.get_world_size())) if process_group is None
-             else dist.get_process_group_ranks(process_group))
-    pg = dist.new_group(ranks, backend="gloo", timeout=_group_timeout(key),
-                        use_local_synchronization=True)
-    # Forget groups from destroyed worlds.
-    for k in [k for k, v in _async_groups.items() if v not in c10d._world.pg_map]:
-        del _async_groups[k]
-    _async_groups[key] = pg
-    return pg
+    with _async_groups_lock:
+        group = _async_groups.get(key)
+        if group is None:
+            # Forget groups of destroyed worlds.
+            for k in [k for k in _async_groups if k not in c10d._world.pg_map]:
+                del _async_groups[k]
+            ranks = (list(range(dist.get_world_size())) if process_group is None
+                     else dist.get_process_group_ranks(process_group))
+            group = _async_groups[key] = AsyncGroup(key, ranks, _group_timeout(key))
+    return group.ticket()
 
 
 # ------------------------------------------------------------ save
@@ -396,9 +579,10 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     own: Optional[BaseException] = None
     items = payloads = None
     try:
-        writer._prepare_dir()
+        writer._prepare_dir(create=False)  # nothing on disk before the paths agree
         items, payloads = local_plan(flat, prepare)
-        msg = ("ok", pickle.dumps((items, mappings), protocol=pickle.HIGHEST_PROTOCOL))
+        msg = ("ok", pickle.dumps((items, mappings), protocol=pickle.HIGHEST_PROTOCOL),
+               path_key(writer.path))
     except Exception as e:
         own, msg = e, _failure(g.rank, e)
     gathered = g.gather(msg)
@@ -407,17 +591,24 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     replies = None
     if g.is_coordinator:
         try:
-            plan, replies = _coordinate(writer, gathered)
+            refusal = disagreeing_paths([m[2] if m[0] == "ok" else None for m in gathered])
+            if refusal is not None:
+                replies = [("refuse", refusal)] * g.size
+            else:
+                plan, replies = _coordinate(writer, gathered)
         except Exception as e:
             own = own or e
             replies = [("err", [_failure(0, e)[1]])] * g.size
     reply = g.scatter(replies)
+    if reply[0] == "refuse":
+        raise CheckpointError(reply[1])
     if reply[0] != "ok":
         _raise_remote("save planning", reply[1], own)
     _, prefix, mine = reply
     # 3. write; file layout + status -> coordinator
     names: list = []
     try:
+        writer._prepare_dir()
         names, layout = write(writer, prefix,
                               [_Entry(i, payloads[i], items[i].nbytes) for i in mine])
         msg = ("ok", names, layout)

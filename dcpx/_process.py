@@ -11,6 +11,10 @@ same pages and hands views of them to the C writer.  What crosses the pipe
 per save is only the layout (key, offset, dtype, shape), the non-tensor
 values and the writer's settings.  State dicts staged any other way are
 sent over the pipe by value.
+
+Any other StorageWriter or a custom planner goes to the checkpoint process
+pickled, as torch sends them (``run_torch``; with a process group only the
+writer's ``write_data`` runs there, ``run_torch_dist``).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any, Optional
 
 import torch
+from torch.distributed.checkpoint.storage import StorageWriter
 
 _lock = threading.Lock()
 _worker: Optional["_Worker"] = None
@@ -91,6 +96,9 @@ class _Worker:
         from . import _dist
         from ._api import dist_path_state
         from .staging import DefaultStager
+        if isinstance(group, _dist.AsyncTicket):
+            with group.turn() as pg:
+                return self.run_dist(staged, stager, writer, pg, use_collectives)
         if isinstance(staged, Future):
             try:
                 staged = staged.result()
@@ -135,6 +143,70 @@ class _Worker:
         return _dist.save(writer, flat, mappings, group, use_collectives,
                           prepare=prepare, write=write)
 
+    # -- any StorageWriter, any planner (torch's save drives them) ----------
+
+    def _call(self, msg: tuple, what: str, parts: dict) -> Any:
+        """Send one request and wait for its answer.  ``parts`` names the
+        objects the request pickles, for the error when one does not."""
+        try:
+            self.conn.send(msg)  # pickled whole before anything is written
+        except (EOFError, BrokenPipeError, ConnectionError) as e:
+            raise RuntimeError(f"dcpx: the checkpoint process died before {what} "
+                               f"(exit code {self.proc.exitcode})") from e
+        except Exception as e:
+            raise _unpicklable(parts, e) from e
+        try:
+            status, result = self.conn.recv()
+        except (EOFError, OSError) as e:
+            raise RuntimeError(
+                f"dcpx: the checkpoint process died during {what} (exit code "
+                f"{self.proc.exitcode}); that checkpoint was not committed") from e
+        if status == "err":
+            raise result
+        return result
+
+    def run_torch(self, staged, stager, writer, planner, use_collectives) -> Any:
+        """One process, a foreign StorageWriter or a custom planner: as
+        torch's checkpoint process does, the writer and the planner are sent
+        to the checkpoint process (pickled), which runs the whole save.  A
+        state dict staged into dcpx's shared memory is sent as its layout
+        (the worker maps the same pages); any other one by value."""
+        from .staging import DefaultStager
+        if isinstance(staged, Future):
+            staged = staged.result()
+        layout = stager.shared_layout_of(staged) if isinstance(stager, DefaultStager) else None
+        if layout is not None and all(type(t) in (torch.Tensor, torch.nn.Parameter)
+                                      for t in layout.flat.values()
+                                      if isinstance(t, torch.Tensor)):
+            serial = self._send_buffer(layout.buffer)
+            tensors = [(k, layout.offsets[k], str(v.dtype).removeprefix("torch."),
+                        tuple(v.shape), v.requires_grad) for k, v in layout.dst.items()]
+            values = {k: v for k, v in layout.flat.items() if k not in layout.dst}
+            payload: Any = ("shared", serial, tensors, values, layout.mappings,
+                            sorted(self.sent_buffers))
+        else:
+            payload = staged
+        return self._call(("torch", writer, planner, use_collectives, payload),
+                          f"saving to {_where(writer)}",
+                          {"storage writer": writer, "planner": planner, "state dict": staged})
+
+    def run_torch_dist(self, staged, writer, planner, group, use_collectives) -> Any:
+        """With a process group, a foreign StorageWriter or a custom planner:
+        torch's save runs here, on the upload thread, over async_save's own
+        group (planning, collectives, the commit in ``finish``); only the
+        writer's ``write_data`` runs in the checkpoint process, which gets
+        the writer, this rank's plan and the planner (holding the staged
+        state dict) pickled, as torch's checkpoint process gets them."""
+        from . import _dist
+        from ._api import save
+        if isinstance(group, _dist.AsyncTicket):
+            with group.turn() as pg:
+                return self.run_torch_dist(staged, writer, planner, pg, use_collectives)
+        if isinstance(staged, Future):
+            staged = staged.result()
+        return save(staged, storage_writer=_RemoteWriter(writer, self), planner=planner,
+                    process_group=group, use_collectives=use_collectives)
+
     def _send_buffer(self, buf) -> int:
         """Pass the buffer's memfd to the worker once; its serial."""
         self.sent_buffers = {n: r for n, r in self.sent_buffers.items()
@@ -153,19 +225,95 @@ def submit_process_upload(staged, stager, writer, planner, process_group, no_dis
     distributed = _dist_in_use(no_dist)
     eligible = (dist_path_eligible(writer, planner, no_dist) if distributed
                 else fast_path_eligible(writer, planner, no_dist))
-    if not (isinstance(writer, FileSystemWriter) and eligible):
-        raise NotImplementedError(
-            "dcpx: AsyncCheckpointerType.PROCESS supports dcpx's FileSystemWriter with the "
-            "default planner; use THREAD otherwise")
     global _worker
     with _lock:
         if _worker is None or not _worker.proc.is_alive():
             _worker = _Worker()
         w = _worker
+    if not (isinstance(writer, FileSystemWriter) and eligible):
+        if distributed:
+            return w.executor.submit(w.run_torch_dist, staged, writer, planner,
+                                     process_group, use_collectives)
+        return w.executor.submit(w.run_torch, staged, stager, writer, planner,
+                                 use_collectives)
     if distributed:
         return w.executor.submit(w.run_dist, staged, stager, writer, process_group,
                                  use_collectives)
     return w.executor.submit(w.run, staged, stager, writer)
+
+
+def _where(writer) -> str:
+    return str(getattr(writer, "checkpoint_id", None) or getattr(writer, "path", None)
+               or type(writer).__name__)
+
+
+def _unpicklable(parts: dict, error: BaseException) -> Exception:
+    """The error for a request that does not pickle, naming the object."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+    for what, obj in parts.items():
+        try:
+            ForkingPickler.dumps(obj)
+        except Exception as e:
+            return TypeError(
+                f"dcpx: async_save(async_checkpointer_type=PROCESS) sends the {what} to the "
+                f"checkpoint process, and {type(obj).__module__}.{type(obj).__qualname__} "
+                f"does not pickle: {type(e).__name__}: {e}; make it picklable or use "
+                f"AsyncCheckpointerType.THREAD")
+    if isinstance(error, pickle.PicklingError):
+        return TypeError(f"dcpx: async_save(PROCESS): the request to the checkpoint process "
+                         f"does not pickle: {error}")
+    return error if isinstance(error, Exception) else RuntimeError(str(error))
+
+
+class _RemoteWriter(StorageWriter):
+    """The user's StorageWriter as torch's save sees it on the upload
+    thread: every call goes to it here, except ``write_data``, which the
+    checkpoint process runs on a copy of it (sent with the plan and the
+    planner)."""
+
+    def __init__(self, inner, worker: "_Worker") -> None:
+        super().__init__()
+        self.inner = inner
+        self.worker = worker
+
+    def reset(self, checkpoint_id=None) -> None:
+        self.inner.reset(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        import inspect
+        if "kwargs" in inspect.signature(self.inner.set_up_storage_writer).parameters:
+            self.inner.set_up_storage_writer(is_coordinator, *args, **kwargs)
+        else:
+            self.inner.set_up_storage_writer(is_coordinator)
+
+    def prepare_local_plan(self, plan):
+        return self.inner.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans):
+        return self.inner.prepare_global_plan(plans)
+
+    def write_data(self, plan, planner):
+        results = self.worker._call(("write_data", self.inner, plan, planner),
+                                    f"writing to {_where(self.inner)}",
+                                    {"storage writer": self.inner, "planner": planner})
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata, results) -> None:
+        self.inner.finish(metadata, results)
+
+    def storage_meta(self):
+        return self.inner.storage_meta()
+
+    @property
+    def checkpoint_id(self):
+        return getattr(self.inner, "checkpoint_id", None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return True
 
 
 def _after_fork_in_child() -> None:
@@ -221,6 +369,8 @@ def _worker_main(conn) -> None:
             if kind == "values":
                 _, config, staged = msg
                 result = save(staged, storage_writer=FileSystemWriter(**config))
+            elif kind in ("torch", "write_data"):  # any writer / planner
+                result = _torch_request(msg, buffers)
             elif kind == "write":  # one rank's entries of a multi-process save
                 _, config, number, prefix, tensors, others, live = msg
                 for gone in set(buffers) - set(live):
@@ -277,3 +427,27 @@ def _write_entries(writer, base: Optional[torch.Tensor], prefix: str, tensors, o
         else:
             entries.append(_Entry(index, payload, len(payload)))
     return write_files(writer, prefix, entries)
+
+
+def _torch_request(msg: tuple, buffers: dict) -> Any:
+    """A save with a foreign StorageWriter or a custom planner, driven by
+    torch's save (``torch``), or one rank's ``write_data`` (``write_data``)."""
+    if msg[0] == "write_data":
+        _, writer, plan, planner = msg
+        return writer.write_data(plan, planner).wait()
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+    from ._api import save
+    _, writer, planner, use_collectives, staged = msg
+    if isinstance(staged, tuple) and staged and staged[0] == "shared":
+        _, number, tensors, values, mappings, live = staged
+        for gone in set(buffers) - set(live):  # freed by the parent
+            del buffers[gone]
+        flat = dict(values)
+        for key, offset, dtype, shape, requires_grad in tensors:
+            t = _view_of(buffers[number], offset, dtype, shape)
+            if requires_grad:
+                t.requires_grad_(True)
+            flat[key] = t
+        staged = unflatten_state_dict(flat, mappings)
+    return save(staged, storage_writer=writer, planner=planner, no_dist=True,
+                use_collectives=use_collectives)

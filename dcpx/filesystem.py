@@ -53,7 +53,7 @@ from torch.futures import Future
 
 from . import _C, _metadata
 from ._dtypes import dlpack_export, dlpack_view, storage_type_name
-from .errors import CorruptCheckpointError, IncompleteCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 __all__ = ["FileSystemWriter", "FileSystemReader"]
 
@@ -249,6 +249,17 @@ class PendingWrite:
                 pass
 
 
+class _RankPath(NamedTuple):
+    """A rank's checkpoint path, carried in its local SavePlan's
+    ``storage_data`` to the coordinator (torch's generic save path), which
+    refuses the save when the ranks disagree (see dcpx._dist.path_key)."""
+    path: str
+
+
+def _path_key(path: Any) -> str:
+    return os.path.normpath(os.fspath(path))
+
+
 class FileSystemWriter(StorageWriter):
     """Drop-in for ``torch.distributed.checkpoint.FileSystemWriter``.
 
@@ -307,12 +318,24 @@ class FileSystemWriter(StorageWriter):
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        self._prepare_dir()
         if self.rank is not None and not self.use_collectives:
+            self._prepare_dir()
             plan = dataclasses.replace(plan, storage_data=_StoragePrefix(self._prefix(self.rank)))
+        else:
+            # The directory is made in write_data, once the coordinator has
+            # checked that every rank names the same one (prepare_global_plan).
+            self._prepare_dir(create=False)
+            plan = dataclasses.replace(plan, storage_data=_RankPath(_path_key(self.path)))
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        from ._dist import disagreeing_paths
+        refusal = disagreeing_paths([p.storage_data.path if isinstance(p.storage_data, _RankPath)
+                                     else None for p in plans])
+        if refusal is not None:
+            raise CheckpointError(refusal)
+        plans = [dataclasses.replace(p, storage_data=None)
+                 if isinstance(p.storage_data, _RankPath) else p for p in plans]
         tag = self._tag()
         return [
             dataclasses.replace(p, storage_data=_StoragePrefix(self._prefix(i, tag)))
@@ -321,6 +344,7 @@ class FileSystemWriter(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        self._prepare_dir()
         entries = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -366,8 +390,8 @@ class FileSystemWriter(StorageWriter):
             return self.path / f"__{self.rank}{_metadata.METADATA_FN}"
         return self.path / _metadata.METADATA_FN
 
-    def _prepare_dir(self) -> None:
-        _check_dir(self.path, create=True)
+    def _prepare_dir(self, create: bool = True) -> None:
+        _check_dir(self.path, create=create)
         if self._metadata_path().exists() and not self.overwrite:
             raise RuntimeError(
                 f"Checkpoint already exists and self.overwrite={self.overwrite}: {self.path}")
