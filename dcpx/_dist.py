@@ -34,7 +34,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-import io
 import os
 import pickle
 from typing import Any, Callable, NamedTuple, Optional
@@ -600,9 +599,7 @@ def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRead
         if info is None:
             raise CorruptCheckpointError(
                 f"{reader.path}: metadata lists {fqn!r} but has no storage entry for it")
-        data = reader.read_bytes(fqn, info)
-        value = torch.load(io.BytesIO(data), weights_only=not reader.allow_pickle)
-        set_element(original, mappings[fqn], value)
+        set_element(original, mappings[fqn], reader.load_value(fqn, info))
 
 
 def read_metadata(reader: FileSystemReader, rank: Optional[int]) -> tuple[Metadata, bool]:
