@@ -43,6 +43,7 @@ from ._api import (
     save_local,
 )
 from ._dtypes import dlpack_export, dlpack_view, storage_type_name
+from .errors import checkpoint_future
 from .filesystem import FileSystemWriter
 from .staging import DefaultStager, StagingOptions
 
@@ -175,6 +176,7 @@ def async_save(
         upload = submit_process_upload(*args)
     else:
         upload = _uploader().submit(_upload, *args)
+    upload = checkpoint_future(upload)  # failures are torch CheckpointExceptions
     if isinstance(async_stager, DefaultStager):
         async_stager.lease_to(upload)
     if owned is not None:

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from . import _metadata
 from ._gc import paused_gc
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, checkpoint_errors
 from .filesystem import (
     DCP_VERSION,
     FileSystemReader,
@@ -374,6 +374,7 @@ def _discard(writer: FileSystemWriter, names: list) -> None:
             pass
 
 
+@checkpoint_errors()  # every rank's failure is a torch CheckpointException
 def save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
          use_collectives: bool = True, prepare: Callable = tensor_payload,
          write: Callable = write_files) -> Metadata:
@@ -613,6 +614,7 @@ def read_metadata(reader: FileSystemReader, rank: Optional[int]) -> tuple[Metada
     return reader.read_metadata(rank=rank), False
 
 
+@checkpoint_errors()
 def load(reader: FileSystemReader, flat: dict, mappings: dict, original: dict, group,
          allow_partial_load: bool) -> None:
     """Each rank fills its part; an error on any rank is raised on all."""
