@@ -380,3 +380,31 @@ def test_non_zip_value_is_refused(tmp_path):
     torch.save(3, buf)
     assert zipfile.is_zipfile(io.BytesIO(buf.getvalue()))
     assert dcpx._values.loads(buf.getvalue(), "ck: key 'v'") == 3
+
+
+def _renamed_numpy_module(data: bytes, old: bytes, new: bytes) -> bytes:
+    """The same torch.save archive with numpy's module named as another
+    numpy version names it in the pickle."""
+    src = zipfile.ZipFile(io.BytesIO(data))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            raw = src.read(info)
+            if info.filename.endswith("data.pkl"):
+                assert old in raw
+                raw = raw.replace(old, new)
+            dst.writestr(info.filename, raw)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("module", [b"numpy.core.multiarray", b"numpy._core.multiarray"])
+def test_numpy_1x_and_2x_module_names_both_load(module):
+    """numpy 1.x pickles name numpy.core, 2.x numpy._core: both resolve to
+    the installed numpy's functions."""
+    value = {"a": np.arange(5, dtype=np.int32), "s": np.float32(2.5)}
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    current = (b"numpy._core.multiarray" if b"numpy._core.multiarray" in buf.getvalue()
+               else b"numpy.core.multiarray")
+    data = _renamed_numpy_module(buf.getvalue(), current, module)
+    assert_same(dcpx._values.loads(data, "ck: key 'v'"), value)
