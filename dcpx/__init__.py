@@ -15,6 +15,24 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+# torch.distributed.checkpoint's names that dcpx takes as torch's own objects:
+# dcpx's save / load / storage accept torch's planners, plans and storage
+# protocols, and dcpx's errors subclass CheckpointException (dcpx.errors).
+from torch.distributed.checkpoint import (
+    CheckpointException,
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    StorageReader,
+    StorageWriter,
+    WriteItem,
+    load_sharded_optimizer_state_dict,
+)
+
 from . import _C
 from ._api import load, save
 from ._async import AsyncCheckpointerType, AsyncSaveResponse, async_save
@@ -26,6 +44,10 @@ from .errors import (
 )
 from .filesystem import FileSystemReader, FileSystemWriter
 from .staging import DefaultStager, StagingOptions
+from ._compat import load_state_dict, save_state_dict, torch_public_names
+# (fsspec storage: dcpx's own FsspecWriter / FsspecReader are imported here
+# when it has them; until then the loop below takes torch's where the
+# installed torch exports them.)
 
 __version__ = "0.1.0"
 
@@ -49,4 +71,34 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "UnsafeCheckpointError",
+    "save_state_dict",
+    "load_state_dict",
+    "CheckpointException",
+    "DefaultSavePlanner",
+    "DefaultLoadPlanner",
+    "SavePlan",
+    "LoadPlan",
+    "SavePlanner",
+    "LoadPlanner",
+    "ReadItem",
+    "WriteItem",
+    "StorageReader",
+    "StorageWriter",
+    "load_sharded_optimizer_state_dict",
 ]
+
+
+def _take_torch_names() -> None:
+    """Every other public name of the installed torch.distributed.checkpoint
+    (the Hugging Face storage classes, names a newer torch adds): torch's
+    object, so that ``import dcpx as dcp`` never lacks one."""
+    import torch.distributed.checkpoint as tdcp
+    g = globals()
+    for name in torch_public_names():
+        if name not in g:
+            g[name] = getattr(tdcp, name)
+            __all__.append(name)
+
+
+_take_torch_names()
+del _take_torch_names, torch_public_names

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _dist, _metadata
 from ._gc import paused_gc
+from .errors import checkpoint_errors
 from .filesystem import (
     DCP_VERSION,
     LOCAL_PROTOCOLS,
@@ -177,6 +178,7 @@ def fast_path_eligible(storage_writer, planner, no_dist: bool) -> bool:
             and isinstance(storage_writer, FileSystemWriter))
 
 
+@checkpoint_errors()  # a failure is a torch CheckpointException (dcpx.errors)
 def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
                prepare=tensor_payload) -> Metadata:
     """Plan, write and commit a flat single-process state dict.  The metadata
@@ -289,7 +291,7 @@ def load(
     if fast and distributed:
         _dist.load(reader, flat, mappings, stateful_sd, process_group, partial)
     elif fast:
-        with paused_gc():
+        with paused_gc(), checkpoint_errors():
             metadata = reader.read_metadata()
             reader.set_up_storage_reader(metadata, True)
             _dist.load_flat(flat, mappings, stateful_sd, reader, metadata, partial)

@@ -43,6 +43,7 @@ from ._api import (
     save_local,
 )
 from ._dtypes import dlpack_export, dlpack_view, storage_type_name
+from .errors import checkpoint_future
 from .filesystem import FileSystemWriter
 from .staging import DefaultStager, StagingOptions
 
@@ -188,6 +189,7 @@ def async_save(
         if isinstance(process_group, _dist.AsyncTicket):
             process_group.abandon()  # no upload: this save counts as failed here
         raise
+    upload = checkpoint_future(upload)  # failures are torch CheckpointExceptions
     if isinstance(async_stager, DefaultStager):
         async_stager.lease_to(upload)
     if owned is not None:

@@ -35,7 +35,6 @@ import bisect
 import contextlib
 import dataclasses
 import heapq
-import io
 import os
 import pickle
 import threading
@@ -55,7 +54,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from . import _metadata
 from ._gc import paused_gc
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, checkpoint_errors
 from .filesystem import (
     DCP_VERSION,
     FileSystemReader,
@@ -558,6 +557,7 @@ def _discard(writer: FileSystemWriter, names: list) -> None:
             pass
 
 
+@checkpoint_errors()  # every rank's failure is a torch CheckpointException
 def save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
          use_collectives: bool = True, prepare: Callable = tensor_payload,
          write: Callable = write_files) -> Metadata:
@@ -791,9 +791,7 @@ def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRead
         if info is None:
             raise CorruptCheckpointError(
                 f"{reader.path}: metadata lists {fqn!r} but has no storage entry for it")
-        data = reader.read_bytes(fqn, info)
-        value = torch.load(io.BytesIO(data), weights_only=not reader.allow_pickle)
-        set_element(original, mappings[fqn], value)
+        set_element(original, mappings[fqn], reader.load_value(fqn, info))
 
 
 def read_metadata(reader: FileSystemReader, rank: Optional[int]) -> tuple[Metadata, bool]:
@@ -807,6 +805,7 @@ def read_metadata(reader: FileSystemReader, rank: Optional[int]) -> tuple[Metada
     return reader.read_metadata(rank=rank), False
 
 
+@checkpoint_errors()
 def load(reader: FileSystemReader, flat: dict, mappings: dict, original: dict, group,
          allow_partial_load: bool) -> None:
     """Each rank fills its part; an error on any rank is raised on all."""

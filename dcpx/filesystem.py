@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _C, _metadata
+from . import _C, _metadata, _values
 from ._dtypes import dlpack_export, dlpack_view, storage_type_name
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
@@ -474,6 +474,24 @@ def check_zip_crcs(raw: bytes, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: record {bad} fails its CRC-32")
 
 
+def _torch_load_bytes(planner: LoadPlanner) -> bool:
+    """The planner's load_bytes is DefaultLoadPlanner's, which unpickles
+    the value with full pickle (weights_only=False) and stores it."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    return (type(planner).load_bytes is DefaultLoadPlanner.load_bytes
+            and hasattr(planner, "flatten_state_dict") and hasattr(planner, "state_dict"))
+
+
+def _set_value(planner: LoadPlanner, req: Any, value: Any) -> None:
+    """What DefaultLoadPlanner.load_bytes does with the value it unpickled,
+    given the value dcpx has already unpickled under its allow-list."""
+    from torch.distributed.checkpoint._traverse import set_element
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[req.dest_index.fqn], value)
+    else:
+        planner.state_dict[req.dest_index.fqn] = value
+
+
 class _TensorRead(NamedTuple):
     key: str
     info: _StorageInfo
@@ -558,7 +576,11 @@ class FileSystemReader(StorageReader):
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(self.read_bytes(req.storage_index.fqn, info)))
+                if _torch_load_bytes(planner):  # it would unpickle the bytes again
+                    _set_value(planner, req, self.load_value(req.storage_index.fqn, info))
+                else:
+                    planner.load_bytes(req, io.BytesIO(self.read_bytes(req.storage_index.fqn,
+                                                                       info)))
                 continue
             chunk, dtype = self._chunk_of(req.storage_index)
             target = planner.resolve_tensor(req).detach()
@@ -627,9 +649,10 @@ class FileSystemReader(StorageReader):
             raise CorruptCheckpointError(
                 f"{self.path}: no chunk of {index.fqn!r} at offset {tuple(index.offset)}") from None
 
-    def read_bytes(self, key: str, info: _StorageInfo) -> Any:
-        """The raw bytes of a bytes item, after checking they are safe to
-        unpickle (weights_only) unless allow_pickle is set."""
+    def read_bytes(self, key: str, info: _StorageInfo, check: bool = True) -> Any:
+        """The raw bytes of a bytes item, after checking (unless ``check`` is
+        False or allow_pickle is set) that they unpickle under the allow-list
+        (dcpx._values; ``load_value`` reads and unpickles in one pass)."""
         path = self.path / info.relative_path
         with open(path, "rb") as f:
             f.seek(info.offset)
@@ -638,17 +661,17 @@ class FileSystemReader(StorageReader):
             raise CorruptCheckpointError(f"{path}: key {key!r}: file is truncated")
         if self.verify:
             check_zip_crcs(data, f"{path}: key {key!r}")
-        if not self.allow_pickle:
-            try:
-                torch.load(io.BytesIO(data), weights_only=True)
-            except Exception as e:
-                from .errors import UnsafeCheckpointError
-                raise UnsafeCheckpointError(
-                    f"{path}: key {key!r}: value is not loadable with weights_only=True "
-                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                    f"if you trust this checkpoint, pass "
-                    f"FileSystemReader(path, allow_pickle=True)") from None
+        if check and not self.allow_pickle:
+            _values.loads(data, f"{path}: key {key!r}")
         return data
+
+    def load_value(self, key: str, info: _StorageInfo) -> Any:
+        """A non-tensor value, read, CRC-checked and unpickled once: under
+        the allow-list of code-free types (dcpx._values, docs/api.md), or
+        with full pickle if the reader was built with allow_pickle=True."""
+        data = self.read_bytes(key, info, check=False)
+        return _values.loads(data, f"{self.path / info.relative_path}: key {key!r}",
+                             allow_pickle=self.allow_pickle)
 
     def read_tensors(self, reads: Sequence[_TensorRead]) -> None:
         """Read tensor chunks into their targets: straight into the target's

@@ -695,7 +695,8 @@ def test_real_disk_full_fails_the_upload_with_efbig_naming_the_data_file(tmp_pat
     assert rc == 0, err[-3000:]
     res = json.loads(out.strip().splitlines()[-1])
     assert res["staging"] == "None"  # staging succeeded; the upload failed
-    assert res["type"] in ("OSError", "IOError") and res["errno"] == errno.EFBIG, res
+    # an OSError that is also torch's CheckpointException (dcpx.errors)
+    assert res["type"] == "CheckpointOSError" and res["errno"] == errno.EFBIG, res
     data_file = tmp_path / "full" / "__0_0.distcp"
     assert res["filename"] == str(data_file), res
     assert str(data_file) in res["message"]

@@ -1,0 +1,249 @@
+"""Unpickling the non-tensor values of a checkpoint without running code
+from it.
+
+A non-tensor value (an int, a dict of step counters, ``np.random.get_state()``,
+an ``argparse.Namespace`` of hyper-parameters, ...) is stored as a
+``torch.save`` archive, as torch DCP stores it.  Loading one means running a
+pickle, and a pickle can call any function it names (``os.system``).  dcpx
+decodes it in one pass with ``torch.load`` and an Unpickler whose
+``find_class`` resolves only these globals (docs/api.md, "Non-tensor values
+and safe loading", has the list and the reasons):
+
+* what torch's ``weights_only`` loader allows by default (tensors, storages,
+  dtypes, devices, ``OrderedDict``, ``set``, ``complex``, ``bytes``, ...);
+* what the user allowed with ``torch.serialization.add_safe_globals`` or
+  inside ``with torch.serialization.safe_globals([...])`` (read at each
+  load, as torch reads it);
+* dcpx's own narrow list of code-free types that training state is made of:
+  numpy arrays, scalars and dtypes (under both ``numpy.core`` and
+  ``numpy._core`` names, so that numpy 1.x and 2.x checkpoints load with
+  either), ``frozenset``, ``collections.deque`` and ``argparse.Namespace``.
+
+Anything else raises UnsafeCheckpointError naming the exact global and both
+ways to allow it, before the global is looked up.  Modules torch blocks even
+when allow-listed (``os``, ``sys``, ...) stay blocked.
+"""
+from __future__ import annotations
+
+import _compat_pickle
+import argparse
+import collections
+import io
+import os
+import pickle
+import types
+from typing import Any, Optional
+
+import torch
+
+from .errors import CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = ["loads", "dcpx_safe_globals"]
+
+#: modules torch's weights_only loader refuses even when allow-listed
+_BLOCKED_MODULES = frozenset(("sys", "os", "posix", "nt"))
+
+
+def _numpy_globals() -> dict[str, Any]:
+    """numpy's code-free globals, keyed by every name a numpy 1.x or 2.x
+    pickle uses for them; empty without numpy."""
+    try:
+        import numpy as np
+    except ImportError:
+        return {}
+    # The functions are taken from the objects' own __reduce__, so they are
+    # the installed numpy's whatever its module layout.
+    reconstruct = np.empty(0).__reduce__()[0]
+    scalar = np.float64(0).__reduce__()[0]
+    out: dict[str, Any] = {"numpy.ndarray": np.ndarray, "numpy.dtype": np.dtype}
+    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        out[f"{mod}._reconstruct"] = reconstruct
+        out[f"{mod}.scalar"] = scalar
+    dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25
+    if dtypes is not None:
+        for name in dir(dtypes):
+            cls = getattr(dtypes, name)
+            if isinstance(cls, type) and issubclass(cls, np.dtype):
+                out[f"numpy.dtypes.{name}"] = cls
+    return out
+
+
+_DCPX_GLOBALS: Optional[dict[str, Any]] = None
+
+
+def dcpx_safe_globals() -> dict[str, Any]:
+    """dcpx's own additions to torch's weights_only allow-list, by the
+    ``module.name`` a pickle names them with."""
+    global _DCPX_GLOBALS
+    if _DCPX_GLOBALS is None:
+        g = _numpy_globals()
+        g["builtins.frozenset"] = frozenset
+        g["builtins.bytes"] = bytes  # b"" (and an empty array's data) pickles as bytes()
+        g["collections.deque"] = collections.deque
+        # A plain attribute bag: unpickling it is object.__new__ plus a
+        # __dict__ update (no __init__, no __setstate__); its values pass
+        # this same allow-list.
+        g["argparse.Namespace"] = argparse.Namespace
+        _DCPX_GLOBALS = g
+    return _DCPX_GLOBALS
+
+
+def _torch_default_globals() -> dict[str, Any]:
+    from torch import _weights_only_unpickler
+    return _weights_only_unpickler._get_allowed_globals()
+
+
+def _user_globals() -> dict[str, Any]:
+    """What add_safe_globals / safe_globals allowed, named as torch names
+    them (``{__module__}.{__qualname__}``, or the name given in a tuple)."""
+    out: dict[str, Any] = {}
+    for g in torch.serialization.get_safe_globals():
+        if isinstance(g, tuple):
+            out[g[1]] = g[0]
+        else:
+            out[f"{g.__module__}.{g.__qualname__}"] = g
+    return out
+
+
+class _Refused(pickle.UnpicklingError):
+    """find_class met a global outside the allow-list (turned into an
+    UnsafeCheckpointError by loads(), which knows the whole value)."""
+
+    def __init__(self, name: str, blocked: bool) -> None:
+        super().__init__(name)
+        self.name = name
+        self.blocked = blocked
+
+
+def _other_unsafe(data: bytes, first: str) -> list[str]:
+    """Every other global of the value outside the allow-list (a static scan,
+    torch's get_unsafe_globals_in_checkpoint), so that one error lists all
+    that an add_safe_globals call needs; [] if the scan cannot tell."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+    except Exception:
+        return []
+    ours = dcpx_safe_globals()
+    return sorted(g for g in found if g not in ours and g != first)
+
+
+def _refusal(where: str, refused: _Refused, data: bytes) -> UnsafeCheckpointError:
+    full = refused.name
+    if refused.blocked:
+        msg = (f"{where}: refusing to unpickle global {full}: its module is blocked "
+               f"(torch refuses os, sys, posix and nt even when allow-listed). If you "
+               f"trust this checkpoint, load it with FileSystemReader(path, allow_pickle=True).")
+    else:
+        names = ", ".join([full] + _other_unsafe(data, full))
+        msg = (f"{where}: refusing to unpickle global {full}: it is not on the allow-list "
+               f"of code-free types (docs/api.md, \"Non-tensor values and safe loading\"), "
+               f"so loading it could run code from the checkpoint. If you trust this "
+               f"checkpoint, load it with FileSystemReader(path, allow_pickle=True), or "
+               f"allow what this value names: torch.serialization.add_safe_globals([{names}]) "
+               f"(or inside `with torch.serialization.safe_globals([{names}]):`).")
+    err = UnsafeCheckpointError(msg)
+    err.global_name = full
+    return err
+
+
+_BASE: Optional[dict[str, Any]] = None
+
+
+def _base_globals() -> dict[str, Any]:
+    """torch's default weights_only globals plus dcpx's (user additions are
+    read per load, as torch reads them)."""
+    global _BASE
+    if _BASE is None:
+        base = dict(_torch_default_globals())
+        base.update(dcpx_safe_globals())
+        _BASE = base
+    return _BASE
+
+
+class _Unpickler(pickle.Unpickler):
+    """Resolves allow-listed globals only (``torch.load`` subclasses it)."""
+
+    def __init__(self, file, **kw: Any) -> None:
+        super().__init__(file, **kw)
+        self._base = _base_globals()
+        self._user = _user_globals()
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Python 2 names, mapped as torch's weights_only loader maps them
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
+        full = f"{module}.{name}"
+        if module in _BLOCKED_MODULES:
+            raise _Refused(full, blocked=True)
+        obj = self._base.get(full)
+        if obj is None:
+            obj = self._user.get(full)
+            if obj is None:
+                raise _Refused(full, blocked=False)
+        return obj
+
+
+def _load_restricted(file, **kw: Any) -> Any:
+    """``pickle.load`` with the restrictions (torch's legacy, non-zip format
+    uses it; loads() refuses that format before torch gets there)."""
+    return _Unpickler(file, **kw).load()
+
+
+#: the stand-in for the ``pickle`` module given to ``torch.load``
+_restricted_pickle = types.ModuleType("dcpx._values.restricted_pickle")
+_restricted_pickle.Unpickler = _Unpickler  # type: ignore[attr-defined]
+_restricted_pickle.load = _load_restricted  # type: ignore[attr-defined]
+_restricted_pickle.UnpicklingError = pickle.UnpicklingError  # type: ignore[attr-defined]
+
+
+def _is_torchscript(data: bytes) -> bool:
+    """torch.load(weights_only=False) hands a TorchScript archive to
+    torch.jit.load, which runs its code; a DCP value never is one.  Checked
+    with torch's own zip reader and test; the byte search spares that for
+    values that do not contain the record's name."""
+    if b"constants.pkl" not in data:
+        return False
+    try:
+        with torch.serialization._open_zipfile_reader(io.BytesIO(data)) as zf:
+            return torch.serialization._is_torchscript_zip(zf)
+    except Exception:  # not a zip torch can open: torch.load fails the same way
+        return False
+
+
+def _forced_weights_only() -> bool:
+    """TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 makes every torch.load weights_only
+    (and refuses a pickle_module): the user asked for torch's own list."""
+    return os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
+
+
+def loads(data: bytes, where: str, allow_pickle: bool = False) -> Any:
+    """The value a ``torch.save`` archive holds, unpickled once.  ``where``
+    (the file and key) starts every error message.  With ``allow_pickle``
+    any pickle is run (trusted checkpoints only)."""
+    if allow_pickle:
+        return torch.load(io.BytesIO(data), weights_only=False)
+    if data[:4] != b"PK\x03\x04":
+        raise CorruptCheckpointError(f"{where}: the value is not a torch.save zip archive")
+    if _is_torchscript(data):
+        raise UnsafeCheckpointError(
+            f"{where}: the value is a TorchScript archive, whose loading runs its code; "
+            f"if you trust this checkpoint, load it with FileSystemReader(path, "
+            f"allow_pickle=True)")
+    try:
+        if _forced_weights_only():
+            return torch.load(io.BytesIO(data), weights_only=True)
+        return torch.load(io.BytesIO(data), weights_only=False,
+                          pickle_module=_restricted_pickle)
+    except _Refused as e:
+        raise _refusal(where, e, data) from None
+    except pickle.UnpicklingError as e:
+        if _forced_weights_only():  # torch's own refusal; its message names the global
+            raise UnsafeCheckpointError(
+                f"{where}: TORCH_FORCE_WEIGHTS_ONLY_LOAD is set and torch's weights_only "
+                f"loader refused the value: {e}") from None
+        raise CorruptCheckpointError(f"{where}: cannot unpickle the value: {e}") from e
+    except Exception as e:
+        raise CorruptCheckpointError(
+            f"{where}: cannot unpickle the value: {type(e).__name__}: {e}") from e
