@@ -150,10 +150,12 @@ def test_a_copy_never_runs_before_the_producers_pending_kernel(lib, handshake):
     t.free()
 
 
+@pytest.mark.skipif(os.environ.get("DCPX_SANITIZE") == "thread",
+                    reason="a deliberate race (kernel and copy on one buffer), which TSan reports")
 def test_the_ordering_check_catches_a_producer_that_ignores_the_stream(lib):
     """Control for the test above: a producer that ignores the consumer's
     stream (and no wait_streams) lets the copy run during the kernel, and
-    the stand-in notices."""
+    the stand-in notices (and so does TSan, hence the skip there)."""
     lib.fake_set_delay(b"fill", 300_000)
     dev = lib.devices[0]
     t = FakeCudaTensor(dev, 4096, honour_stream=False)
