@@ -515,3 +515,83 @@ def test_cuda_min_h_matches_the_toolkit(tmp_path):
                         "-I", _toolkit_include(), "-I", str(REPO / "csrc"), str(check)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# --------------------------------------------------------------------------
+# dcpx.staging's CUDA path over the C one.  torch here has no CUDA, so the
+# sources are the stand-in's tensors behind the few torch.Tensor methods the
+# stager calls, and torch.cuda.current_stream is the producer's stream.
+
+class _TorchLike:
+    dtype = torch.uint8
+
+    def __init__(self, t: FakeCudaTensor) -> None:
+        self.t = t
+        self.device = torch.device("cuda", t.device.dev)
+
+    def detach(self):
+        return self
+
+    def is_conj(self):
+        return False
+
+    def is_neg(self):
+        return False
+
+    def is_contiguous(self):
+        return True
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+    def __dlpack__(self, **kw):
+        return self.t.__dlpack__(**kw)
+
+
+@pytest.fixture
+def stager_cuda(lib, monkeypatch):
+    from types import SimpleNamespace
+
+    from dcpx import staging
+    monkeypatch.setattr(staging, "_TO_DLPACK", None)  # torch's exporter needs real tensors
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda dev: SimpleNamespace(cuda_stream=lib.devices[dev.index].stream))
+    return staging
+
+
+def test_the_stagers_buffer_is_pinned_by_the_c_path_and_unpinned_on_release(stager_cuda, lib):
+    registered = lib.fake_registered()
+    b = stager_cuda._Buffer(100_000, shared=True, pin=True)
+    assert b.pinned is True and lib.fake_registered() == registered + 1
+    b.release()
+    assert lib.fake_registered() == registered
+    lib.fake_fail(b"cuMemHostRegister_v2", 1, OUT_OF_MEMORY)
+    with pytest.warns(RuntimeWarning, match="staging into pageable memory"):
+        b = stager_cuda._Buffer(4096, shared=False, pin=True)
+    assert b.pinned is False
+    b.release()
+
+
+def test_the_stager_copies_after_the_current_streams_and_names_a_failing_key(stager_cuda, lib):
+    lib.fake_set_delay(b"fill", 20_000)
+    # Producers that ignore __dlpack__'s stream: only the event the stager
+    # records on each device's current stream orders the copies.
+    ts = [FakeCudaTensor(lib.devices[i % 2], 3000 + i, honour_stream=False) for i in range(4)]
+    offs, total = _layout([t.nbytes for t in ts])
+    b = stager_cuda._Buffer(total, shared=True, pin=True)
+    pairs = [(_TorchLike(t), o, f"model.w{i}") for i, (t, o) in enumerate(zip(ts, offs))]
+    for rnd in range(5):
+        for i, t in enumerate(ts):
+            t.launch_fill(rnd * 8 + i)
+        stager_cuda.DefaultStager._copy_from_devices(pairs, b.base)
+        raw = b.base.numpy().tobytes()
+        for i, (t, o) in enumerate(zip(ts, offs)):
+            assert raw[o:o + t.nbytes] == bytes([rnd * 8 + i]) * t.nbytes
+    assert lib.fake_violations() == 0
+    lib.fake_fail(b"cuMemcpyDtoHAsync_v2", 3, INVALID_VALUE)
+    with pytest.raises(_C.CudaError, match="cuMemcpyDtoHAsync for tensor 'model.w1' on device 1"):
+        stager_cuda.DefaultStager._copy_from_devices(pairs, b.base)
+    assert lib.fake_copies_run() == lib.fake_copies_queued()
+    b.release()
+    for t in ts:
+        t.free()
