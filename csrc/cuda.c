@@ -195,6 +195,7 @@ dcpx_cuda_device *dcpx_cuda_device_get(PyObject *module, int id)
             dcpx_cuda_raise(module, rc, "cuDevicePrimaryCtxRetain");
             return NULL;
         }
+        d->dev = dev;
     }
     if ((rc = dcpx_cu.cuCtxGetCurrent(&saved)) != CUDA_SUCCESS) {
         dcpx_cuda_raise(module, rc, "cuCtxGetCurrent");
@@ -387,7 +388,7 @@ PyObject *dcpx_cuda_release_all(PyObject *module, PyObject *unused)
             dcpx_cu.cuStreamDestroy_v2(d->stream);
         }
         dcpx_cu.cuCtxSetCurrent(saved);
-        dcpx_cu.cuDevicePrimaryCtxRelease_v2(i);
+        dcpx_cu.cuDevicePrimaryCtxRelease_v2(d->dev);
         d->ctx = NULL;
         d->stream = NULL;
     }

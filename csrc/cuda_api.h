@@ -45,6 +45,7 @@ extern dcpx_cuda_api dcpx_cu;
 /* One device as dcpx uses it: its primary context (retained once, the
  * context torch uses) and dcpx's own non-blocking stream on it. */
 typedef struct {
+    CUdevice dev;
     CUcontext ctx;
     CUstream stream;
 } dcpx_cuda_device;

@@ -595,3 +595,18 @@ def test_the_stager_copies_after_the_current_streams_and_names_a_failing_key(sta
     b.release()
     for t in ts:
         t.free()
+
+
+def test_cpu_staging_and_saving_make_no_driver_call(lib, tmp_path):
+    """The CPU path is untouched: with the driver loaded, staging and
+    saving host tensors call nothing in it."""
+    import dcpx
+    sd = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, 3)}
+    calls = lib.fake_total_calls()
+    with dcpx.DefaultStager(dcpx.StagingOptions(use_async_staging=False)) as stager:
+        staged = stager.stage(sd)
+        dcpx.save(staged, checkpoint_id=str(tmp_path / "ckpt"))
+    out = {k: torch.empty_like(v) for k, v in sd.items()}
+    dcpx.load(out, checkpoint_id=str(tmp_path / "ckpt"))
+    assert all(torch.equal(out[k], sd[k]) for k in sd)
+    assert lib.fake_total_calls() == calls
