@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -367,9 +368,10 @@ def test_a_forked_child_never_touches_the_parents_cuda_state(lib):
     _C.cuda_copy_into([(t.capsule(), 0)], buf)
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: report, never raise
+    if pid == 0:  # the child: report, never raise, never hang
         code = 1
         try:
+            signal.alarm(60)
             os.close(r)
             calls = lib.fake_total_calls()
             unreg = _C.cuda_host_unregister(buf)

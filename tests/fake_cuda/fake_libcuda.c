@@ -243,6 +243,20 @@ static void push(stream_t *s, op_t *o) /* mu held */
     pthread_cond_broadcast(&cv);
 }
 
+/* A forked child gets the lock in whatever state a stream thread (not in
+ * the child) left it: start it afresh, so that the tests' calls into the
+ * child's copy (counters) cannot deadlock. */
+static void child_after_fork(void)
+{
+    pthread_mutex_init(&mu, NULL);
+    pthread_cond_init(&cv, NULL);
+}
+
+__attribute__((constructor)) static void fake_setup(void)
+{
+    pthread_atfork(NULL, NULL, child_after_fork);
+}
+
 /* ---- the driver API ---------------------------------------------------- */
 
 CUresult cuInit(unsigned int flags)
