@@ -612,3 +612,19 @@ def test_cpu_staging_and_saving_make_no_driver_call(lib, tmp_path):
     dcpx.load(out, checkpoint_id=str(tmp_path / "ckpt"))
     assert all(torch.equal(out[k], sd[k]) for k in sd)
     assert lib.fake_total_calls() == calls
+
+
+@pytest.mark.parametrize("with_toolkit", [False, True], ids=["cuda_min.h", "cuda.h"])
+def test_the_cuda_sources_compile_with_and_without_the_toolkit(with_toolkit):
+    """setup.py uses cuda.h wherever a Toolkit is installed (CI), so the
+    cuda_min.h build would otherwise never be compiled there."""
+    import sysconfig
+    if with_toolkit and _toolkit_include() is None:
+        pytest.skip("no CUDA Toolkit cuda.h on this machine")
+    flags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
+             "-I", sysconfig.get_paths()["include"]]
+    if with_toolkit:
+        flags += ["-DDCPX_HAVE_CUDA_H", "-I", _toolkit_include()]
+    for src in ("cuda.c", "cuda_stage.c", "module.c"):
+        r = subprocess.run(["cc", *flags, str(REPO / "csrc" / src)], capture_output=True, text=True)
+        assert r.returncode == 0, (src, r.stderr)
