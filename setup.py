@@ -1,12 +1,17 @@
 """Build the dcpx._C extension: a C compiler and the Python headers are all
-it needs (no libtorch, no CUDA toolkit, no pybind11).
+it needs (no libtorch, no CUDA toolkit, no pybind11).  The CUDA driver is
+loaded at run time (csrc/cuda.c); its types come from the Toolkit's cuda.h
+when one is found ($CUDA_HOME/include, /usr/local/cuda/include,
+/usr/local/cuda-*/include), else from csrc/cuda_min.h.
 
 Environment switches:
   DCPX_SANITIZE=1   build with -fsanitize=address,undefined (see .ci/run)
   DCPX_SANITIZE=thread  build with -fsanitize=thread (see scripts/tsan.sh)
   DCPX_WERROR=1     turn warnings into errors (CI)
   DCPX_DEBUG=1      -O0 -g
+  DCPX_NO_CUDA_H=1  ignore any cuda.h (build with csrc/cuda_min.h)
 """
+import glob
 import os
 
 from setuptools import Extension, setup
@@ -22,6 +27,8 @@ SOURCES = [
     "csrc/stage.c",
     "csrc/picklescan.c",
     "csrc/workers.c",
+    "csrc/cuda.c",
+    "csrc/cuda_stage.c",
 ]
 
 cflags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]
@@ -44,12 +51,35 @@ elif os.environ.get("DCPX_SANITIZE") == "thread":
     cflags += san + ["-g", "-O1"]
     ldflags += san
 
+
+
+def find_cuda_h():
+    """The Toolkit's include directory holding cuda.h, or None.  Not
+    /usr/include: <linux/cuda.h> is an unrelated kernel header."""
+    if os.environ.get("DCPX_NO_CUDA_H") == "1":
+        return None
+    roots = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""),
+             "/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in roots:
+        if root and os.path.isfile(os.path.join(root, "include", "cuda.h")):
+            return os.path.join(root, "include")
+    return None
+
+
+include_dirs = []
+cuda_inc = find_cuda_h()
+if cuda_inc is not None:
+    include_dirs.append(cuda_inc)
+    cflags.append("-DDCPX_HAVE_CUDA_H")
+
 setup(
     ext_modules=[
         Extension(
             "dcpx._C",
             sources=SOURCES,
-            depends=["csrc/dcpx.h"],
+            depends=["csrc/dcpx.h", "csrc/cuda_api.h", "csrc/cuda_min.h"],
+            include_dirs=include_dirs,
+            libraries=["dl"],
             extra_compile_args=cflags,
             extra_link_args=ldflags,
         )

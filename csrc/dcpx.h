@@ -177,6 +177,7 @@ int dcpx_pickle_parse_tensor(const unsigned char *p, size_t n,
 /* Types (writer.c, reader.c) and module plumbing (module.c). */
 typedef struct {
     PyTypeObject *WriteJob_Type;
+    PyObject *CudaError; /* dcpx._C.CudaError (csrc/cuda.c) */
 } dcpx_state;
 
 extern PyType_Spec dcpx_writejob_spec;

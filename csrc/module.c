@@ -1,6 +1,7 @@
 /* dcpx._C: module definition (multi-phase init, PEP 489), small entry
  * points, and the error helper shared by the other translation units. */
 #include "dcpx.h"
+#include "cuda_api.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -196,7 +197,47 @@ PyDoc_STRVAR(check_pickle_doc,
              "to hand to the unpickler (bounded memo indices, lengths inside "
              "the data, no persistent ids, extensions or out-of-band buffers).");
 
+PyDoc_STRVAR(cuda_version_doc,
+             "cuda_driver_version($module, /)\n--\n\n"
+             "Load the CUDA driver (libcuda.so.1, or $DCPX_LIBCUDA) and return "
+             "(driver_version, device_count); raise CudaError if it cannot be "
+             "loaded or is too old.");
+
+PyDoc_STRVAR(cuda_register_doc,
+             "cuda_host_register($module, buffer, /)\n--\n\n"
+             "Page-lock a contiguous host buffer with cuMemHostRegister. "
+             "True when pinned; False, with a RuntimeWarning, when the driver "
+             "refuses (the buffer stays pageable).");
+
+PyDoc_STRVAR(cuda_unregister_doc,
+             "cuda_host_unregister($module, buffer, /)\n--\n\n"
+             "Undo cuda_host_register.  False (a no-op) for a buffer this "
+             "process did not register.");
+
+PyDoc_STRVAR(cuda_release_doc,
+             "cuda_release_all($module, /)\n--\n\n"
+             "Unregister every buffer still registered, destroy dcpx's "
+             "streams, release the primary contexts (interpreter exit).");
+
+PyDoc_STRVAR(cuda_copy_doc,
+             "cuda_copy_into($module, pairs, base, wait_streams=())\n--\n\n"
+             "Copy CUDA tensors into a host staging buffer on dcpx's own "
+             "stream, after the producer's pending work, and wait for the "
+             "copies without the GIL.  pairs: [(src, byte_offset[, name])]; "
+             "wait_streams: [(device, stream_handle)] to order after "
+             "(csrc/cuda_stage.c).");
+
 static PyMethodDef dcpx_methods[] = {
+    {"cuda_driver_version", dcpx_cuda_driver_version, METH_NOARGS,
+     cuda_version_doc},
+    {"cuda_host_register", dcpx_cuda_host_register, METH_VARARGS,
+     cuda_register_doc},
+    {"cuda_host_unregister", dcpx_cuda_host_unregister, METH_VARARGS,
+     cuda_unregister_doc},
+    {"cuda_release_all", dcpx_cuda_release_all, METH_NOARGS,
+     cuda_release_doc},
+    {"cuda_copy_into", (PyCFunction)(void (*)(void))dcpx_cuda_copy_into,
+     METH_VARARGS | METH_KEYWORDS, cuda_copy_doc},
     {"check_pickle", dcpx_check_pickle, METH_VARARGS, check_pickle_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},
@@ -222,6 +263,13 @@ static int dcpx_exec(PyObject *m)
         return -1;
     if (PyModule_AddType(m, st->WriteJob_Type) < 0)
         return -1;
+    st->CudaError = PyErr_NewExceptionWithDoc(
+        "dcpx._C.CudaError",
+        "A CUDA driver call failed, or the driver cannot be used; `code` is "
+        "the CUresult.", PyExc_RuntimeError, NULL);
+    if (st->CudaError == NULL ||
+        PyModule_AddObjectRef(m, "CudaError", st->CudaError) < 0)
+        return -1;
     if (PyModule_AddStringConstant(m, "crc32_impl", dcpx_crc32_impl()) < 0)
         return -1;
     if (PyModule_AddIntConstant(m, "ALIGN", DCPX_ALIGN) < 0)
@@ -233,6 +281,7 @@ static int dcpx_traverse(PyObject *m, visitproc visit, void *arg)
 {
     dcpx_state *st = PyModule_GetState(m);
     Py_VISIT(st->WriteJob_Type);
+    Py_VISIT(st->CudaError);
     return 0;
 }
 
@@ -240,6 +289,7 @@ static int dcpx_clear(PyObject *m)
 {
     dcpx_state *st = PyModule_GetState(m);
     Py_CLEAR(st->WriteJob_Type);
+    Py_CLEAR(st->CudaError);
     return 0;
 }
 

@@ -7,14 +7,16 @@ and its ``StagingOptions``.  What is dcpx's own:
 * **Reused buffers.**  The first ``stage()`` of a state dict allocates one
   page-aligned, pre-faulted host buffer for all its tensors (``mmap``; shared
   memory when ``use_shared_memory``, so a checkpoint *process* can write it
-  without another copy; pinned with ``cudaHostRegister`` when CUDA is present
-  and ``use_pinned_memory``).  Later stages of a state dict with the same
+  without another copy; page-locked with ``cuMemHostRegister`` when CUDA is
+  present and ``use_pinned_memory``).  Later stages of a state dict with the same
   structure (keys, dtypes, shapes) copy into the same buffer: no allocation,
   no page faults, flat memory over any number of saves.
 * **The copy runs in C** (``dcpx._C.copy_into``) on several threads with the
-  GIL released.  CUDA tensors are copied device-to-host on a stream of the
-  stager's own, ordered after the producer's current stream, and completion
-  is waited for with that stream's event.
+  GIL released.  CUDA tensors are copied device-to-host by the C CUDA path
+  (``dcpx._C.cuda_copy_into``, csrc/cuda_stage.c: the driver API on dcpx's
+  own stream per device, ordered after the producer's current stream,
+  completion waited for on events without the GIL; docs/design.md, "CUDA
+  path").
 * **One upload per buffer.**  A stager's buffer is leased to the upload of
   the checkpoint staged into it; the next ``stage()`` first waits for that
   upload to finish (docs/design.md, "In-flight policy").
@@ -24,11 +26,13 @@ and ignored on a machine without it.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import itertools
 import mmap
 import os
 import threading
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,7 +44,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from . import _C
-from ._dtypes import dlpack_export, dlpack_view
+from ._dtypes import _TO_DLPACK, dlpack_export, dlpack_view
 from ._gc import paused_gc
 from .filesystem import check_saveable
 
@@ -95,8 +99,13 @@ class _Buffer:
         _C.prefault(self.base, threads=_copy_threads())
         self.pinned = False
         if pin:
-            rc = torch.cuda.cudart().cudaHostRegister(self.base.data_ptr(), size, 0)
-            self.pinned = int(rc) == 0
+            # Page-locked once by the C CUDA path; a refusal (out of
+            # memory, RLIMIT_MEMLOCK) warns and leaves the buffer pageable.
+            try:
+                self.pinned = _C.cuda_host_register(self.base)
+            except _C.CudaError as e:
+                warnings.warn(f"{e}; staging into pageable memory", RuntimeWarning,
+                              stacklevel=2)
 
     def view(self, offset: int, t: torch.Tensor) -> torch.Tensor:
         nbytes = t.numel() * t.element_size()
@@ -107,7 +116,7 @@ class _Buffer:
 
     def release(self) -> None:
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.base.data_ptr())
+            _C.cuda_host_unregister(self.base)
             self.pinned = False
         if self.fd >= 0:
             os.close(self.fd)
@@ -230,7 +239,6 @@ class DefaultStager:
         self._cuda = torch.cuda.is_available()
         self._executor = (ThreadPoolExecutor(1, thread_name_prefix="dcpx-stage")
                           if config.use_async_staging else None)
-        self._stream = torch.cuda.Stream() if (self._cuda and config.use_async_staging) else None
         self._layout: Optional[_Layout] = None
         self._staging_future: Optional[Future] = None
         self._lease: Optional[Future] = None  # the upload reading our buffer
@@ -361,28 +369,34 @@ class DefaultStager:
                     host_pairs.append((dlpack_export(dlpack_view(v.detach())),
                                        layout.offsets[k]))
                 elif v.device.type == "cuda":
-                    cuda_pairs.append((v.detach(), dst))
+                    cuda_pairs.append((v, layout.offsets[k], k))
                 else:  # other accelerators: torch's own copy
                     other_pairs.append((v.detach(), dst))
             _C.copy_into(host_pairs, threads=_copy_threads(), base=layout.buffer.base)
             if cuda_pairs:
-                self._copy_from_devices(cuda_pairs)
+                self._copy_from_devices(cuda_pairs, layout.buffer.base)
             for src, dst in other_pairs:
                 dst.detach().copy_(src)
             self.stage_count += 1
             return layout.state_dict
 
-    def _copy_from_devices(self, pairs: list) -> None:
-        """Device-to-host copies on our stream, after the producer's work."""
-        non_blocking = self._config.use_non_blocking_copy
-        stream = self._stream or torch.cuda.Stream()
-        for dev in {src.device for src, _ in pairs}:
-            stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for src, dst in pairs:
-                dst.detach().copy_(src, non_blocking=non_blocking)
-        done = stream.record_event()
-        done.synchronize()
+    @staticmethod
+    def _copy_from_devices(pairs: list, base: torch.Tensor) -> None:
+        """Device-to-host copies by the C CUDA path (csrc/cuda_stage.c):
+        on dcpx's own stream per device, ordered after the work queued so
+        far on each device's current stream (an event recorded there),
+        returning once every byte is in ``base``.  pairs: [(tensor,
+        byte_offset, key)].  A non-contiguous tensor is made contiguous on
+        its device first (on the current stream, so the event covers it)."""
+        items = []
+        for v, off, key in pairs:
+            v = dlpack_view(v.detach())
+            if not v.is_contiguous():
+                v = v.contiguous()
+            items.append((_TO_DLPACK(v) if _TO_DLPACK is not None else v, off, key))
+        waits = [(dev.index, torch.cuda.current_stream(dev).cuda_stream)
+                 for dev in {v.device for v, _, _ in pairs}]
+        _C.cuda_copy_into(items, base, wait_streams=waits)
 
 
 # Every live stager, for the fork handler: a forked child resets them.
@@ -396,3 +410,7 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+# At interpreter exit: unregister what is still page-locked, destroy dcpx's
+# streams, release the primary contexts (a no-op where CUDA was never used).
+atexit.register(_C.cuda_release_all)

@@ -8,7 +8,9 @@
 # Builds the extension with DCPX_SANITIZE=thread in a copy of the working
 # tree (never in place: a checkout's dcpx/_C*.so may be in use by other
 # runs), preloads libtsan (scripts/sanitizer_env.sh), then runs
-#   - tests/test_async.py, tests/test_staging.py, tests/test_roundtrip.py
+#   - tests/test_async.py, tests/test_staging.py, tests/test_roundtrip.py,
+#     tests/test_cuda_standin.py (the C CUDA path against the stand-in
+#     driver, whose stream threads TSan sees through its pthread calls)
 #     (override with DCPX_TSAN_TESTS; extra arguments go to pytest), and
 #   - tests/thread_stress.py: 3 Python threads x 6 rounds of save (3 writer
 #     threads), async_save with background staging, loads (3 reader
@@ -73,7 +75,7 @@ start=$SECONDS
 set +e
 # shellcheck disable=SC2086
 tsan_python -m pytest -q -p no:cacheprovider \
-    ${DCPX_TSAN_TESTS:-tests/test_async.py tests/test_staging.py tests/test_roundtrip.py} \
+    ${DCPX_TSAN_TESTS:-tests/test_async.py tests/test_staging.py tests/test_roundtrip.py tests/test_cuda_standin.py} \
     -k "not test_exit_with_a_save_in_flight" "$@"
 rc=$?
 # shellcheck disable=SC2086

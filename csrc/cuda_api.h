@@ -1,0 +1,80 @@
+/* The CUDA driver API as dcpx sees it: types and prototypes from the
+ * Toolkit's cuda.h when setup.py found one (DCPX_HAVE_CUDA_H), else from
+ * cuda_min.h; the entry points themselves are resolved at run time from
+ * libcuda.so.1 (csrc/cuda.c), so the extension links against no CUDA
+ * library and imports where none exists.
+ *
+ * Threading: dcpx_cuda_load() and dcpx_cuda_raise() run with the GIL held.
+ * The function table is filled once, before any thread can see it, and is
+ * read-only afterwards: threads without the GIL may call through it. */
+#ifndef DCPX_CUDA_API_H
+#define DCPX_CUDA_API_H
+
+#include "dcpx.h"
+
+#ifdef DCPX_HAVE_CUDA_H
+#include <cuda.h>
+#else
+#include "cuda_min.h"
+#endif
+
+/* The oldest driver dcpx accepts (cuDriverGetVersion's 1000 * major +
+ * 10 * minor): CUDA 11.0, older than any driver torch 2.x runs on. */
+#define DCPX_CUDA_MIN_DRIVER 11000
+#define DCPX_CUDA_MAX_DEVICES 64
+
+#define DCPX_CUDA_FN(X)                                                   \
+    X(cuInit) X(cuDriverGetVersion) X(cuDeviceGetCount) X(cuDeviceGet)    \
+    X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease_v2)           \
+    X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuStreamCreate)               \
+    X(cuStreamDestroy_v2) X(cuStreamSynchronize) X(cuStreamWaitEvent)     \
+    X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize)               \
+    X(cuEventQuery) X(cuEventDestroy_v2) X(cuMemcpyDtoHAsync_v2)          \
+    X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuGetErrorName)      \
+    X(cuGetErrorString)
+
+typedef struct {
+#define DCPX_CUDA_MEMBER(name) __typeof__(name) *name;
+    DCPX_CUDA_FN(DCPX_CUDA_MEMBER)
+#undef DCPX_CUDA_MEMBER
+} dcpx_cuda_api;
+
+/* Filled by dcpx_cuda_load(); NULL members until then. */
+extern dcpx_cuda_api dcpx_cu;
+
+/* One device as dcpx uses it: its primary context (retained once, the
+ * context torch uses) and dcpx's own non-blocking stream on it. */
+typedef struct {
+    CUdevice dev;
+    CUcontext ctx;
+    CUstream stream;
+} dcpx_cuda_device;
+
+/* GIL held.  Load the driver (once), check its version, cuInit.  0, or -1
+ * with a dcpx._C.CudaError set. */
+int dcpx_cuda_load(PyObject *module);
+/* GIL held.  The device's context and stream, set up on first use; NULL
+ * with an exception set for a device the process cannot see. */
+dcpx_cuda_device *dcpx_cuda_device_get(PyObject *module, int device_id);
+/* GIL held.  Raise dcpx._C.CudaError for `rc` returned by `what`
+ * ("cuMemcpyDtoHAsync for tensor 'w'"), with the driver's name and
+ * description of the code, and the code as the exception's `code`. */
+void dcpx_cuda_raise(PyObject *module, CUresult rc, const char *what);
+/* Whether this process forked after CUDA was set up in its parent: the
+ * child must not touch the parent's CUDA state. */
+int dcpx_cuda_forked(void);
+
+/* Host ranges page-locked with cuMemHostRegister, so that the close of a
+ * stager, interpreter exit and a forked child each know what is pinned.
+ * GIL held. */
+int dcpx_cuda_registry_add(void *p, size_t n);
+int dcpx_cuda_registry_remove(void *p);
+
+PyObject *dcpx_cuda_driver_version(PyObject *module, PyObject *unused);
+PyObject *dcpx_cuda_host_register(PyObject *module, PyObject *args);
+PyObject *dcpx_cuda_host_unregister(PyObject *module, PyObject *args);
+PyObject *dcpx_cuda_release_all(PyObject *module, PyObject *unused);
+PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
+                              PyObject *kwds);
+
+#endif /* DCPX_CUDA_API_H */

@@ -1,0 +1,412 @@
+/* cuda_copy_into: the CUDA staging copy.  Device-to-host copies of DLPack
+ * CUDA tensors into the stager's host buffer, on dcpx's own non-blocking
+ * stream per device, ordered after the producer's pending work, waited on
+ * with the GIL released.
+ *
+ *   cuda_copy_into(pairs, base, wait_streams=())
+ *     pairs:        [(src, byte_offset[, name]), ...]
+ *     base:         the contiguous host staging buffer (a CPU tensor)
+ *     wait_streams: [(device_id, stream_handle), ...]
+ *
+ * The handshake that keeps the copies from reading bytes a pending kernel
+ * is still writing, in either of the two forms DLPack allows:
+ *  - a tensor object is exported with src.__dlpack__(stream=S), S being
+ *    dcpx's stream on the tensor's device: the producer makes S wait for
+ *    its own pending work (the DLPack consumer contract);
+ *  - for each (device, stream) of wait_streams (the producer's current
+ *    streams, when the caller hands in capsules it exported itself), dcpx
+ *    records an event on that stream and makes its own stream wait on it.
+ * Neither blocks the producer's stream.
+ *
+ * Then, without the GIL: per device, make the primary context current, one
+ * cuMemcpyDtoHAsync per run of adjacent tensors (adjacent on the device
+ * and in the buffer: one copy), one event recorded after the device's last
+ * copy, and cuEventSynchronize on each device's event.  Returns once every
+ * byte is in `base`.  On any error the copies already queued are waited
+ * for before the exception is raised, so nothing writes into the buffer
+ * after the call has returned, and the caller sees which tensor and which
+ * call failed.  Sources stay referenced (their DLPack views held) until
+ * their copies have completed. */
+#include "cuda_api.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int dev;           /* device ordinal */
+    CUdeviceptr src;
+    char *dst;
+    size_t n;
+    Py_ssize_t index;  /* the first pair of the run */
+} crun;
+
+typedef struct {
+    CUresult rc;
+    const char *call;
+    Py_ssize_t index;  /* pair that failed, or -1 */
+    int dev;
+} cerr;
+
+static void note(cerr *e, CUresult rc, const char *call, Py_ssize_t index,
+                 int dev)
+{
+    if (e->rc == CUDA_SUCCESS) {
+        e->rc = rc;
+        e->call = call;
+        e->index = index;
+        e->dev = dev;
+    }
+}
+
+/* src as a DLPack capsule, exported with the stream handshake when src is
+ * a tensor object on a CUDA device. */
+static PyObject *export_cuda(PyObject *module, PyObject *src)
+{
+    PyObject *devt = NULL, *meth = NULL, *kw = NULL, *empty = NULL;
+    PyObject *cap = NULL;
+    int type = 0, id = 0;
+    dcpx_cuda_device *d;
+
+    if (PyCapsule_CheckExact(src)) {
+        Py_INCREF(src);
+        return src;
+    }
+    devt = PyObject_CallMethod(src, "__dlpack_device__", NULL);
+    if (devt == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError,
+                         "dcpx: object of type %.200s has no "
+                         "__dlpack_device__; expected a CUDA tensor",
+                         Py_TYPE(src)->tp_name);
+        }
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(devt, "ii;dcpx: __dlpack_device__() must return "
+                          "(device_type, device_id)", &type, &id))
+        goto done;
+    if (type != DCPX_DL_CUDA) {
+        PyErr_Format(PyExc_TypeError,
+                     "dcpx: expected a CUDA tensor (DLPack device type %d), "
+                     "got device type %d", DCPX_DL_CUDA, type);
+        goto done;
+    }
+    if ((d = dcpx_cuda_device_get(module, id)) == NULL)
+        goto done;
+    meth = PyObject_GetAttrString(src, "__dlpack__");
+    empty = PyTuple_New(0);
+    kw = Py_BuildValue("{s:K,s:(ii)}", "stream",
+                       (unsigned long long)(uintptr_t)d->stream,
+                       "max_version", 1, 0);
+    if (meth == NULL || empty == NULL || kw == NULL)
+        goto done;
+    cap = PyObject_Call(meth, empty, kw);
+    if (cap == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
+        /* A producer without max_version: the legacy call, same stream. */
+        PyErr_Clear();
+        if (PyDict_DelItemString(kw, "max_version") == 0)
+            cap = PyObject_Call(meth, empty, kw);
+    }
+done:
+    Py_XDECREF(devt);
+    Py_XDECREF(meth);
+    Py_XDECREF(empty);
+    Py_XDECREF(kw);
+    return cap;
+}
+
+static int cmp_run(const void *a, const void *b)
+{
+    const crun *x = a, *y = b;
+    if (x->dev != y->dev)
+        return x->dev < y->dev ? -1 : 1;
+    return x->index < y->index ? -1 : (x->index > y->index);
+}
+
+/* GIL held.  Make dcpx's stream on `dev` wait for the work queued so far on
+ * the producer's `stream`. */
+static int wait_on(PyObject *module, int dev, unsigned long long stream)
+{
+    dcpx_cuda_device *d = dcpx_cuda_device_get(module, dev);
+    CUcontext saved = NULL;
+    CUevent ev = NULL;
+    CUresult rc;
+    const char *call;
+    if (d == NULL)
+        return -1;
+    dcpx_cu.cuCtxGetCurrent(&saved);
+    call = "cuCtxSetCurrent";
+    if ((rc = dcpx_cu.cuCtxSetCurrent(d->ctx)) != CUDA_SUCCESS)
+        goto fail;
+    call = "cuEventCreate";
+    if ((rc = dcpx_cu.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING)) !=
+        CUDA_SUCCESS)
+        goto restore;
+    call = "cuEventRecord on the producer's stream";
+    rc = dcpx_cu.cuEventRecord(ev, (CUstream)(uintptr_t)stream);
+    if (rc == CUDA_SUCCESS) {
+        call = "cuStreamWaitEvent";
+        rc = dcpx_cu.cuStreamWaitEvent(d->stream, ev, 0);
+    }
+    /* Destroying an event some stream still waits on is allowed: the
+     * driver frees it once the wait is done. */
+    dcpx_cu.cuEventDestroy_v2(ev);
+restore:
+    dcpx_cu.cuCtxSetCurrent(saved);
+    if (rc == CUDA_SUCCESS)
+        return 0;
+fail:
+    dcpx_cuda_raise(module, rc, call);
+    return -1;
+}
+
+PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
+                              PyObject *kwds)
+{
+    static char *kwlist[] = {"pairs", "base", "wait_streams", NULL};
+    PyObject *pairs_obj, *base_obj, *waits_obj = NULL;
+    PyObject *pairs = NULL, *waits = NULL, *result = NULL;
+    dcpx_view base, *views = NULL;
+    crun *runs = NULL;
+    CUevent ev[DCPX_CUDA_MAX_DEVICES];
+    int have_base = 0;
+    Py_ssize_t n = 0, nviews = 0, nruns = 0;
+    cerr err = {CUDA_SUCCESS, NULL, -1, -1};
+
+    memset(ev, 0, sizeof(ev));
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:cuda_copy_into",
+                                     kwlist, &pairs_obj, &base_obj,
+                                     &waits_obj))
+        return NULL;
+    if (dcpx_cuda_load(module) < 0)
+        return NULL;
+    pairs = PySequence_Fast(pairs_obj, "dcpx: pairs must be a sequence");
+    if (pairs == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(pairs);
+    if (dcpx_view_from_object(base_obj, &base, 1) < 0)
+        goto done;
+    have_base = 1;
+    if (base.device_type != DCPX_DL_CPU || !base.contiguous) {
+        PyErr_SetString(PyExc_ValueError,
+                        "dcpx: the staging buffer must be a contiguous "
+                        "host tensor");
+        goto done;
+    }
+    /* The producers' streams first: the copies below queue after them. */
+    if (waits_obj != NULL && waits_obj != Py_None) {
+        waits = PySequence_Fast(waits_obj,
+                                "dcpx: wait_streams must be a sequence");
+        if (waits == NULL)
+            goto done;
+        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(waits); i++) {
+            int dev;
+            unsigned long long s;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(waits, i), "iK;"
+                                  "dcpx: wait_streams holds (device, "
+                                  "stream) pairs", &dev, &s))
+                goto done;
+            if (wait_on(module, dev, s) < 0)
+                goto done;
+        }
+    }
+    views = PyMem_Calloc(n ? (size_t)n : 1, sizeof(*views));
+    runs = PyMem_Calloc(n ? (size_t)n : 1, sizeof(*runs));
+    if (views == NULL || runs == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(pairs, i), *src, *off;
+        PyObject *name = NULL, *cap;
+        unsigned long long o;
+        dcpx_view *v = &views[i];
+        if (!PyArg_ParseTuple(item, "OO|O;dcpx: pairs hold (src, "
+                              "byte_offset[, name])", &src, &off, &name))
+            goto done;
+        cap = export_cuda(module, src);
+        if (cap == NULL)
+            goto done;
+        int rc = dcpx_view_from_object(cap, v, 0);
+        Py_DECREF(cap);
+        if (rc < 0)
+            goto done;
+        nviews = i + 1;
+        const char *why = NULL;
+        o = PyLong_AsUnsignedLongLong(off);
+        if (o == (unsigned long long)-1 && PyErr_Occurred())
+            goto done;
+        if (v->device_type != DCPX_DL_CUDA)
+            why = "is not on a CUDA device";
+        else if (!v->contiguous)
+            why = "is not contiguous (make it contiguous on the device "
+                  "first)";
+        else if (o > base.nbytes || v->nbytes > base.nbytes - o)
+            why = "does not fit the staging buffer at its offset";
+        else if (v->device_id < 0 || v->device_id >= DCPX_CUDA_MAX_DEVICES)
+            why = "is on a device dcpx cannot address";
+        if (why != NULL) {
+            if (name != NULL)
+                PyErr_Format(PyExc_ValueError, "dcpx: tensor %R %s", name,
+                             why);
+            else
+                PyErr_Format(PyExc_ValueError, "dcpx: tensor #%zd %s", i,
+                             why);
+            goto done;
+        }
+        /* A capsule's device was not seen by export_cuda: set it up. */
+        if (dcpx_cuda_device_get(module, v->device_id) == NULL)
+            goto done;
+        if (v->nbytes == 0)
+            continue;
+        runs[nruns].dev = v->device_id;
+        runs[nruns].src = (CUdeviceptr)(uintptr_t)v->data;
+        runs[nruns].dst = base.data + o;
+        runs[nruns].n = (size_t)v->nbytes;
+        runs[nruns].index = i;
+        nruns++;
+    }
+    /* By device, in the caller's order; then coalesce runs adjacent both
+     * on the device and in the buffer. */
+    qsort(runs, (size_t)nruns, sizeof(*runs), cmp_run);
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < nruns; i++) {
+        if (m > 0 && runs[m - 1].dev == runs[i].dev &&
+            runs[m - 1].src + runs[m - 1].n == runs[i].src &&
+            runs[m - 1].dst + runs[m - 1].n == runs[i].dst)
+            runs[m - 1].n += runs[i].n;
+        else
+            runs[m++] = runs[i];
+    }
+    nruns = m;
+    /* One event per device in use, created here (they need the device's
+     * context current, and creating them cannot fail half-way through the
+     * copies). */
+    for (Py_ssize_t i = 0; i < nruns; i++) {
+        int d = runs[i].dev;
+        CUcontext saved = NULL;
+        CUresult rc;
+        if (ev[d] != NULL)
+            continue;
+        const char *call = "cuCtxSetCurrent";
+        dcpx_cu.cuCtxGetCurrent(&saved);
+        rc = dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
+        if (rc == CUDA_SUCCESS) {
+            call = "cuEventCreate";
+            rc = dcpx_cu.cuEventCreate(&ev[d], CU_EVENT_DISABLE_TIMING);
+            dcpx_cu.cuCtxSetCurrent(saved);
+        }
+        if (rc != CUDA_SUCCESS) {
+            ev[d] = NULL;
+            dcpx_cuda_raise(module, rc, call);
+            goto done;
+        }
+    }
+    {
+        dcpx_cuda_device *devs[DCPX_CUDA_MAX_DEVICES];
+        int queued[DCPX_CUDA_MAX_DEVICES];
+        for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
+            devs[d] = ev[d] != NULL ? dcpx_cuda_device_get(module, d) : NULL;
+            queued[d] = 0;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        CUcontext saved = NULL;
+        CUresult rc;
+        dcpx_cu.cuCtxGetCurrent(&saved);
+        for (Py_ssize_t i = 0; i < nruns && err.rc == CUDA_SUCCESS; i++) {
+            const crun *r = &runs[i];
+            dcpx_cuda_device *d = devs[r->dev];
+            if (i == 0 || runs[i - 1].dev != r->dev) {
+                rc = dcpx_cu.cuCtxSetCurrent(d->ctx);
+                if (rc != CUDA_SUCCESS) {
+                    note(&err, rc, "cuCtxSetCurrent", r->index, r->dev);
+                    break;
+                }
+            }
+            rc = dcpx_cu.cuMemcpyDtoHAsync_v2(r->dst, r->src, r->n,
+                                              d->stream);
+            if (rc != CUDA_SUCCESS) {
+                note(&err, rc, "cuMemcpyDtoHAsync", r->index, r->dev);
+                break;
+            }
+            queued[r->dev] = 1;
+            if (i + 1 == nruns || runs[i + 1].dev != r->dev) {
+                /* The device's last copy: its event. */
+                rc = dcpx_cu.cuEventRecord(ev[r->dev], d->stream);
+                if (rc != CUDA_SUCCESS) {
+                    note(&err, rc, "cuEventRecord", r->index, r->dev);
+                    break;
+                }
+                queued[r->dev] = 2;
+            }
+        }
+        /* Wait for everything queued, even after an error: the buffer must
+         * not be written once we return. */
+        for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
+            if (queued[d] == 0)
+                continue;
+            rc = dcpx_cu.cuCtxSetCurrent(devs[d]->ctx);
+            if (queued[d] == 2 && rc == CUDA_SUCCESS) {
+                rc = dcpx_cu.cuEventSynchronize(ev[d]);
+                if (rc != CUDA_SUCCESS) {
+                    note(&err, rc, "cuEventSynchronize (device-to-host "
+                         "copies)", -1, d);
+                    /* The wait failed, not necessarily the copies: make
+                     * sure none is still running before we return. */
+                    dcpx_cu.cuStreamSynchronize(devs[d]->stream);
+                }
+            }
+            else {
+                /* Queued copies without their event: drain the stream. */
+                dcpx_cu.cuStreamSynchronize(devs[d]->stream);
+            }
+        }
+        dcpx_cu.cuCtxSetCurrent(saved);
+        Py_END_ALLOW_THREADS
+    }
+    if (err.rc != CUDA_SUCCESS) {
+        char what[320];
+        PyObject *name = NULL;
+        if (err.index >= 0) {
+            PyObject *item = PySequence_Fast_GET_ITEM(pairs, err.index);
+            if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) > 2)
+                name = PyObject_Str(PyTuple_GET_ITEM(item, 2));
+            if (name != NULL && PyUnicode_Check(name))
+                snprintf(what, sizeof(what), "%s for tensor '%.200s' on "
+                         "device %d", err.call, PyUnicode_AsUTF8(name),
+                         err.dev);
+            else
+                snprintf(what, sizeof(what), "%s for tensor #%zd on device "
+                         "%d", err.call, err.index, err.dev);
+            PyErr_Clear();
+            Py_XDECREF(name);
+        }
+        else {
+            snprintf(what, sizeof(what), "%s on device %d", err.call,
+                     err.dev);
+        }
+        dcpx_cuda_raise(module, err.rc, what);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
+        if (ev[d] != NULL) {
+            CUcontext saved = NULL;
+            dcpx_cu.cuCtxGetCurrent(&saved);
+            dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
+            dcpx_cu.cuEventDestroy_v2(ev[d]);
+            dcpx_cu.cuCtxSetCurrent(saved);
+        }
+    }
+    for (Py_ssize_t i = 0; i < nviews; i++)
+        dcpx_view_release(&views[i]);
+    if (have_base)
+        dcpx_view_release(&base);
+    PyMem_Free(views);
+    PyMem_Free(runs);
+    Py_XDECREF(pairs);
+    Py_XDECREF(waits);
+    return result;
+}
