@@ -23,6 +23,7 @@ rewritten or partial data.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import io
 import os
@@ -414,6 +415,30 @@ def check_zip_crcs(raw: bytes, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: record {bad} fails its CRC-32")
 
 
+#: bytes of saved-dtype temporaries (casting or resharding reads) alive at
+#: once during a load; a chunk larger than this is read alone
+_TEMP_BUDGET = 256 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_error(saved: torch.dtype, dest: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why ``Tensor.copy_`` (torch's load step) refuses saved -> dest, or None."""
+    try:
+        torch.zeros(1, dtype=dest, device=device).copy_(torch.zeros(1, dtype=saved))
+    except (RuntimeError, TypeError) as e:  # NotImplementedError is a RuntimeError
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_castable(key: str, saved: torch.dtype, target: torch.Tensor) -> None:
+    """Refuse, naming the key, a dtype pair torch's load refuses too."""
+    why = _cast_error(saved, target.dtype, target.device)
+    if why is not None:
+        raise TypeError(f"dcpx: cannot load {key!r}: the checkpoint holds {saved}, the "
+                        f"destination is {target.dtype}, and torch cannot convert "
+                        f"between them ({why})")
+
+
 class _TensorRead(NamedTuple):
     key: str
     info: _StorageInfo
@@ -421,6 +446,15 @@ class _TensorRead(NamedTuple):
     dtype: torch.dtype         # saved dtype
     target: torch.Tensor       # where the (narrowed) data goes
     narrow: Optional[tuple]    # (storage_offsets, lengths) within the chunk
+
+
+def _reads_in_place(r: _TensorRead) -> bool:
+    """Whether the C reader can read r's chunk straight into its target:
+    contiguous host memory of the saved shape and dtype."""
+    t = r.target
+    return (r.narrow is None and t.dtype == r.dtype and t.shape == r.chunk
+            and t.device.type == "cpu" and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
 
 
 class FileSystemReader(StorageReader):
@@ -593,17 +627,31 @@ class FileSystemReader(StorageReader):
     def read_tensors(self, reads: Sequence[_TensorRead]) -> None:
         """Read tensor chunks into their targets: straight into the target's
         memory when it is contiguous host memory of the saved shape and dtype,
-        else through one temporary per chunk."""
+        else through a temporary of the saved chunk (saved dtype), then
+        ``target.copy_(chunk narrowed)``: torch's own read_data step, which
+        also casts to the target's dtype.  Temporaries are held for at most
+        ``_TEMP_BUDGET`` bytes of chunks at a time (or one chunk if larger)."""
+        direct, staged = [], []
+        for r in reads:
+            if r.target.dtype != r.dtype:
+                check_castable(r.key, r.dtype, r.target)
+            (direct if _reads_in_place(r) else staged).append(r)
+        batch, nbytes = direct, 0
+        for r in staged:
+            size = r.chunk.numel() * r.dtype.itemsize
+            if batch and nbytes and nbytes + size > _TEMP_BUDGET:
+                self._read_batch(batch)
+                batch, nbytes = [], 0
+            batch.append(r)
+            nbytes += size
+        if batch:
+            self._read_batch(batch)
+
+    def _read_batch(self, reads: Sequence[_TensorRead]) -> None:
         files: dict[str, int] = {}
         items, later = [], []
         for r in reads:
-            if r.target.dtype != r.dtype:
-                raise ValueError(
-                    f"dcpx: dtype mismatch for {r.key!r}: the checkpoint holds "
-                    f"{r.dtype}, the destination is {r.target.dtype}")
-            direct = (r.narrow is None and r.target.device.type == "cpu"
-                      and r.target.is_contiguous() and r.target.shape == r.chunk
-                      and not r.target.is_conj() and not r.target.is_neg())
+            direct = _reads_in_place(r)
             dest = r.target if direct else torch.empty(r.chunk, dtype=r.dtype)
             if not direct:
                 later.append((dest, r))
