@@ -22,6 +22,7 @@ SOURCES = [
     "csrc/stage.c",
     "csrc/picklescan.c",
     "csrc/workers.c",
+    "csrc/files.c",
 ]
 
 cflags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]

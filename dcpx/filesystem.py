@@ -23,11 +23,13 @@ rewritten or partial data.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import heapq
 import io
 import os
 import re
+import stat
 import uuid
 import zipfile
 from pathlib import Path
@@ -67,6 +69,64 @@ def _fsync_dir(path: Union[str, Path]) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory",
+          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device"}
+
+
+def special_file_error(path: Union[str, Path], mode: int,
+                       what: str = "") -> CorruptCheckpointError:
+    """The error for a checkpoint file that is not a regular file (a FIFO
+    would block a read, a link would read or write a file elsewhere)."""
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    why = ("dcpx follows no symbolic links inside a checkpoint directory"
+           if stat.S_ISLNK(mode) else "not a regular file")
+    return CorruptCheckpointError(f"{path}: {what}is {kind} ({why}; refused)")
+
+
+def open_regular(path: Union[str, Path]) -> int:
+    """A read-only descriptor of the regular file ``path``, opened without
+    following a link or blocking on a FIFO (csrc/files.c does the same for
+    the C reader).  The checkpoint directory itself may be a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENXIO):  # ENXIO: a socket
+            raise
+        mode = os.lstat(path).st_mode
+        if stat.S_ISREG(mode):
+            raise
+        raise special_file_error(path, mode) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise special_file_error(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Union[str, Path], offset: int = 0, length: int = -1) -> bytes:
+    """``length`` bytes at ``offset`` of a regular checkpoint file (all of
+    it from ``offset`` if length < 0); fewer only if the file is shorter."""
+    fd = open_regular(path)
+    try:
+        if length < 0:
+            length = max(0, os.fstat(fd).st_size - offset)
+        parts, got = [], 0
+        while got < length:
+            part = os.pread(fd, length - got, offset + got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
     finally:
         os.close(fd)
 
@@ -372,7 +432,8 @@ class FileSystemWriter(StorageWriter):
         try:
             if self.sync_files:
                 _fsync_dir(self.path)  # the data files' directory entries
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            # O_EXCL: a fresh file, never through a link or into a FIFO
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 view = memoryview(data)
                 while view:
@@ -497,7 +558,7 @@ class FileSystemReader(StorageReader):
         path = self.path / name
         _check_dir(self.path, create=False)
         try:
-            data = path.read_bytes()
+            data = read_regular(path)
         except FileNotFoundError:
             if not self.path.exists():
                 raise IncompleteCheckpointError(
@@ -571,11 +632,16 @@ class FileSystemReader(StorageReader):
                         f"{self.path}: metadata names data file {rel!r} outside the "
                         f"checkpoint directory (refused)")
                 try:
-                    sizes[rel] = os.stat(self.path / rel).st_size
+                    st = os.lstat(self.path / rel)
                 except FileNotFoundError:
                     raise CorruptCheckpointError(
                         f"{self.path}: data file {rel} is missing (needed by key "
                         f"{getattr(index, 'fqn', index)!r})") from None
+                if not stat.S_ISREG(st.st_mode):
+                    raise special_file_error(
+                        self.path / rel, st.st_mode,
+                        f"data file (needed by key {getattr(index, 'fqn', index)!r}) ")
+                sizes[rel] = st.st_size
             if (not isinstance(info.offset, int) or not isinstance(info.length, int)
                     or info.offset < 0 or info.length < 0
                     or info.offset + info.length > sizes[rel]):
@@ -605,9 +671,7 @@ class FileSystemReader(StorageReader):
         """The raw bytes of a bytes item, after checking they are safe to
         unpickle (weights_only) unless allow_pickle is set."""
         path = self.path / info.relative_path
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
+        data = read_regular(path, info.offset, info.length)
         if len(data) != info.length:
             raise CorruptCheckpointError(f"{path}: key {key!r}: file is truncated")
         if self.verify:
@@ -680,9 +744,7 @@ class FileSystemReader(StorageReader):
 
     def _fallback_read(self, r: _TensorRead, dest: torch.Tensor) -> None:
         path = self.path / r.info.relative_path
-        with open(path, "rb") as f:
-            f.seek(r.info.offset)
-            raw = f.read(r.info.length)
+        raw = read_regular(path, r.info.offset, r.info.length)
         try:
             t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as e:
