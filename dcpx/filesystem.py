@@ -478,7 +478,7 @@ def check_zip_crcs(raw: bytes, where: str) -> None:
 
 #: bytes of saved-dtype temporaries (casting or resharding reads) alive at
 #: once during a load; a chunk larger than this is read alone
-_TEMP_BUDGET = 256 << 20
+_TEMP_BUDGET = 64 << 20
 
 
 @functools.lru_cache(maxsize=None)
