@@ -234,7 +234,8 @@ def _plant(path, kind, outside):
 
 @pytest.mark.parametrize("kind", ["symlink", "fifo"])
 @pytest.mark.parametrize("fresh", [True, False], ids=["fresh-dir", "re-save"])
-def test_save_replaces_a_link_or_fifo_where_it_writes_a_data_file(tmp_path, kind, fresh):
+def test_save_replaces_a_link_or_fifo_where_it_writes_a_data_file(tmp_path, kind, fresh,
+                                                                  monkeypatch):
     """Whatever has a data file's name is replaced by a new regular file:
     the link's target is untouched, a FIFO is not opened (no block)."""
     ckpt = tmp_path / "ckpt"
@@ -250,14 +251,11 @@ def test_save_replaces_a_link_or_fifo_where_it_writes_a_data_file(tmp_path, kind
     names = [ckpt / f"__0_{tag}{i}.distcp" for i in range(2)]
     targets = [_plant(n, kind, outside) for n in names]
     sd = state(4)
+    if not fresh:  # the re-save's tag, so that its names are known
+        monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: fixed)
     writer = dcpx.FileSystemWriter(ckpt, thread_count=2)
-    orig = uuid.uuid4
-    if not fresh:
-        dcpx.filesystem.uuid.uuid4 = lambda: fixed
-    try:
-        no_hang(lambda: dcpx.save(sd, storage_writer=writer), *names)
-    finally:
-        dcpx.filesystem.uuid.uuid4 = orig
+    no_hang(lambda: dcpx.save(sd, storage_writer=writer), *names)
+    monkeypatch.undo()
     for n in names:
         assert os.path.isfile(n) and not os.path.islink(n), n
     for t in targets:
