@@ -713,12 +713,13 @@ class FileSystemReader(StorageReader):
 
     def _read_batch(self, reads: Sequence[_TensorRead]) -> None:
         files: dict[str, int] = {}
-        items, later = [], []
+        items: list = []
+        later: dict[int, torch.Tensor] = {}  # item index -> its temporary
         for r in reads:
             direct = _reads_in_place(r)
             dest = r.target if direct else torch.empty(r.chunk, dtype=r.dtype)
             if not direct:
-                later.append((dest, r))
+                later[len(items)] = dest
             fidx = files.setdefault(r.info.relative_path, len(files))
             items.append((fidx, r.info.offset, r.info.length, dlpack_view(dest),
                           storage_type_name(r.dtype)))
@@ -728,21 +729,30 @@ class FileSystemReader(StorageReader):
             r = reads[i]
             dest = items[i][3]
             if code == 1:  # valid archive in a form the C reader leaves to torch
-                self._fallback_read(r, dest)
+                t = self._fallback_read(r)
+                if i in later:
+                    # copy_ from torch.load's tensor itself, with the record's
+                    # strides, as torch does: a cast's result can depend on
+                    # the source layout (NaN to bfloat16: 0x7fc0 strided,
+                    # 0xffff vectorised)
+                    later[i] = t
+                else:
+                    dest.copy_(t.view(dest.dtype) if dest.dtype != t.dtype else t)
                 continue
             where = f"{self.path / r.info.relative_path}: key {r.key!r}"
             if code == 3 and err:
                 raise OSError(err, f"dcpx: {where}: {msg}: {os.strerror(err)}",
                               str(self.path / r.info.relative_path))
             raise CorruptCheckpointError(f"{where}: {msg}")
-        for dest, r in later:
-            src = dest
+        for i, src in later.items():
+            r = reads[i]
             if r.narrow is not None:
                 for dim, (start, length) in enumerate(zip(*r.narrow)):
                     src = src.narrow(dim, start, length)
             r.target.copy_(src)
 
-    def _fallback_read(self, r: _TensorRead, dest: torch.Tensor) -> None:
+    def _fallback_read(self, r: _TensorRead) -> torch.Tensor:
+        """The record loaded by torch.load (checked against the metadata)."""
         path = self.path / r.info.relative_path
         raw = read_regular(path, r.info.offset, r.info.length)
         try:
@@ -755,4 +765,4 @@ class FileSystemReader(StorageReader):
                 f"{path}: key {r.key!r}: record holds "
                 f"{getattr(t, 'dtype', type(t))}{tuple(getattr(t, 'shape', ()))}, "
                 f"metadata says {r.dtype}{tuple(r.chunk)}")
-        dest.copy_(t.view(dest.dtype) if dest.dtype != t.dtype else t)
+        return t

@@ -254,3 +254,28 @@ def test_shape_mismatch_keeps_its_error_when_the_dtype_differs_too(tmp_path):
     dcpx.save({"w": torch.ones(3, 4)}, checkpoint_id=tmp_path)
     with pytest.raises(ValueError, match=r"Size mismatch.*w"):
         dcpx.load({"w": torch.zeros(4, 3, dtype=torch.bfloat16)}, checkpoint_id=tmp_path)
+
+
+def test_torch_written_non_contiguous_record_into_another_dtype(tmp_path, monkeypatch):
+    """torch's writer keeps a transposed tensor's strides in its record,
+    which dcpx's C reader leaves to torch.load (the fallback read).  The cast
+    must copy_ from that strided tensor, as torch does: float32 NaN becomes
+    bfloat16 0x7fc0 through the strided loop but 0xffff through the
+    vectorised one (a contiguous copy first gave the wrong bits)."""
+    src = make_tensor((8, 5), torch.float32, torch.Generator().manual_seed(11)).t()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.save({"t": src}, checkpoint_id=tmp_path, no_dist=True)
+    expected = {"t": torch.zeros(5, 8, dtype=torch.bfloat16)}
+    assert torch_load(expected, tmp_path) is None
+    got = {"t": torch.zeros(5, 8, dtype=torch.bfloat16)}
+    fallback = []
+    real = dcpx.filesystem.FileSystemReader._fallback_read
+
+    def spy(self, r):
+        fallback.append(r.key)
+        return real(self, r)
+    monkeypatch.setattr(dcpx.filesystem.FileSystemReader, "_fallback_read", spy)
+    dcpx_load(got, tmp_path)
+    assert fallback == ["t"], "the record was expected to take the fallback path"
+    assert_bit_equal(got["t"], expected["t"])
