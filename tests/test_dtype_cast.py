@@ -279,3 +279,21 @@ def test_torch_written_non_contiguous_record_into_another_dtype(tmp_path, monkey
     dcpx_load(got, tmp_path)
     assert fallback == ["t"], "the record was expected to take the fallback path"
     assert_bit_equal(got["t"], expected["t"])
+
+
+def test_large_tensor_cast_matches_torch(tmp_path):
+    """A 4.8 MB record (read in chunks by the C reader; torch's copy_ splits
+    it across its threads) of random float32 bytes: NaNs with every payload,
+    denormals, values out of range for the integer dtypes."""
+    src = make_tensor((1_200_000,), torch.float32, torch.Generator().manual_seed(12))
+    dcpx.save({"w": src, "m": src[:60_000].reshape(300, 200).clone()}, checkpoint_id=tmp_path)
+    for dtype in (torch.bfloat16, torch.float16, torch.int32, torch.uint8, torch.bool,
+                  torch.float8_e4m3fn):
+        def dest():
+            return {"w": torch.zeros(1_200_000, dtype=dtype),
+                    "m": torch.zeros(200, 300, dtype=dtype).t()}
+        expected, got = dest(), dest()
+        assert torch_load(expected, tmp_path) is None
+        dcpx_load(got, tmp_path)
+        for k in expected:
+            assert_bit_equal(got[k], expected[k], f"{k} into {dtype}")
