@@ -700,26 +700,29 @@ class FileSystemReader(StorageReader):
             if r.target.dtype != r.dtype:
                 check_castable(r.key, r.dtype, r.target)
             (direct if _reads_in_place(r) else staged).append(r)
-        batch, nbytes = direct, 0
+        batch: list = []
+        nbytes = 0
         for r in staged:
             size = r.chunk.numel() * r.dtype.itemsize
-            if batch and nbytes and nbytes + size > _TEMP_BUDGET:
-                self._read_batch(batch)
-                batch, nbytes = [], 0
+            if batch and nbytes + size > _TEMP_BUDGET:
+                self._read_batch(direct, batch)
+                direct, batch, nbytes = [], [], 0
             batch.append(r)
             nbytes += size
-        if batch:
-            self._read_batch(batch)
+        if direct or batch:
+            self._read_batch(direct, batch)
 
-    def _read_batch(self, reads: Sequence[_TensorRead]) -> None:
+    def _read_batch(self, direct: Sequence[_TensorRead], staged: Sequence[_TensorRead]) -> None:
+        """One C read of ``direct`` reads (into their targets) and ``staged``
+        ones (into temporaries, then copied into their targets)."""
         files: dict[str, int] = {}
         items: list = []
         later: dict[int, torch.Tensor] = {}  # item index -> its temporary
-        for r in reads:
-            direct = _reads_in_place(r)
-            dest = r.target if direct else torch.empty(r.chunk, dtype=r.dtype)
-            if not direct:
-                later[len(items)] = dest
+        reads = [*direct, *staged]
+        for n, r in enumerate(reads):
+            dest = r.target if n < len(direct) else torch.empty(r.chunk, dtype=r.dtype)
+            if n >= len(direct):
+                later[n] = dest
             fidx = files.setdefault(r.info.relative_path, len(files))
             items.append((fidx, r.info.offset, r.info.length, dlpack_view(dest),
                           storage_type_name(r.dtype)))

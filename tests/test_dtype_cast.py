@@ -225,17 +225,19 @@ def test_temporaries_are_bounded_and_batched(tmp_path, monkeypatch):
     batches = []
     real = dcpx.filesystem.FileSystemReader._read_batch
 
-    def spy(self, reads):
-        batches.append(sum(r.chunk.numel() * r.dtype.itemsize for r in reads
-                           if not dcpx.filesystem._reads_in_place(r)))
-        return real(self, reads)
+    def spy(self, direct, staged):
+        assert all(dcpx.filesystem._reads_in_place(r) for r in direct)
+        assert not any(dcpx.filesystem._reads_in_place(r) for r in staged)
+        batches.append(([r.key for r in direct],
+                        sum(r.chunk.numel() * r.dtype.itemsize for r in staged)))
+        return real(self, direct, staged)
     monkeypatch.setattr(dcpx.filesystem.FileSystemReader, "_read_batch", spy)
     monkeypatch.setattr(dcpx.filesystem, "_TEMP_BUDGET", 3 * 33 * 17 * 4)
     got = {k: torch.zeros(33, 17, dtype=torch.bfloat16) for k in state}
     got["w0"] = torch.zeros(33, 17)  # same dtype: read in place, no temporary
     dcpx.load(got, checkpoint_id=tmp_path)
     size = 33 * 17 * 4
-    assert batches == [3 * size, 3 * size, 2 * size]  # w0 goes with the first
+    assert batches == [(["w0"], 3 * size), ([], 3 * size), ([], 2 * size)]
     for k, v in state.items():
         assert_bit_equal(got[k], v if k == "w0" else v.to(torch.bfloat16), k)
 
