@@ -29,6 +29,7 @@ SOURCES = [
     "csrc/workers.c",
     "csrc/cuda.c",
     "csrc/cuda_stage.c",
+    "csrc/files.c",
 ]
 
 cflags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]

@@ -193,6 +193,15 @@ PyObject *dcpx_check_pickle(PyObject *module, PyObject *args);
  * Called with the GIL released. */
 void dcpx_run_workers(void *(*fn)(void *), void *arg, int nthreads);
 
+/* Checkpoint files (files.c).  dcpx_open_regular: open for reading without
+ * following a link or blocking on a FIFO; only a regular file is returned.
+ * On failure -1 with errno set, and *why set to a static description when
+ * the path exists but is a link, FIFO, directory, ... (else NULL).
+ * dcpx_create_fresh: remove whatever has the name, then create it with
+ * O_EXCL (never through a link); -1 with errno on failure. */
+int dcpx_open_regular(const char *path, const char **why);
+int dcpx_create_fresh(const char *path);
+
 /* Turn (errno, what, path) into an OSError naming the file. */
 void dcpx_set_oserror(int err, const char *what, const char *path);
 

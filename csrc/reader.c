@@ -48,6 +48,7 @@ typedef struct {
     ritem *items;
     Py_ssize_t n;
     int *fds;
+    const char **fwhy;               /* per file: why it is not readable */
     char **paths;
     Py_ssize_t nfiles;
     int verify;
@@ -268,7 +269,10 @@ static void *rworker(void *arg)
             continue;
         }
         if (it->code == RD_OK && job->fds[it->file] < 0) {
-            fail(it, RD_IO, -job->fds[it->file] - 1, "open failed");
+            if (job->fwhy[it->file] != NULL)
+                fail(it, RD_CORRUPT, 0, job->fwhy[it->file]);
+            else
+                fail(it, RD_IO, -job->fds[it->file] - 1, "open failed");
             continue;
         }
         if (it->code == RD_OK)
@@ -281,7 +285,7 @@ static void *rworker(void *arg)
 static void run_threads(rjob *job, int nthreads)
 {
     for (Py_ssize_t f = 0; f < job->nfiles; f++) {
-        job->fds[f] = open(job->paths[f], O_RDONLY | O_CLOEXEC);
+        job->fds[f] = dcpx_open_regular(job->paths[f], &job->fwhy[f]);
         if (job->fds[f] < 0)
             job->fds[f] = -errno - 1; /* reported per item */
     }
@@ -330,6 +334,7 @@ static void free_job(rjob *job)
         PyMem_RawFree(job->paths ? job->paths[i] : NULL);
     PyMem_RawFree(job->paths);
     PyMem_RawFree(job->fds);
+    PyMem_RawFree(job->fwhy);
     PyMem_RawFree(job->items);
 }
 
@@ -341,7 +346,8 @@ static int parse_paths(rjob *job, PyObject *paths)
     job->nfiles = PySequence_Fast_GET_SIZE(fast);
     job->paths = PyMem_RawCalloc((size_t)job->nfiles + 1, sizeof(char *));
     job->fds = PyMem_RawCalloc((size_t)job->nfiles + 1, sizeof(int));
-    if (job->paths == NULL || job->fds == NULL) {
+    job->fwhy = PyMem_RawCalloc((size_t)job->nfiles + 1, sizeof(char *));
+    if (job->paths == NULL || job->fds == NULL || job->fwhy == NULL) {
         Py_DECREF(fast);
         PyErr_NoMemory();
         return -1;

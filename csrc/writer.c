@@ -255,7 +255,7 @@ static int write_file(WriteJob *job, wfile *f)
     b->niov = b->nfree = 0;
     b->pos = 0;
     b->bytes = 0;
-    b->fd = open(f->path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    b->fd = dcpx_create_fresh(f->path); /* never through a link or FIFO */
     if (b->fd < 0) {
         f->what = "open";
         goto out;

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .errors import CheckpointError
-from .filesystem import FileSystemReader, _TensorRead, check_zip_crcs
+from .filesystem import FileSystemReader, _TensorRead, check_zip_crcs, read_regular
 
 
 def _human(n: float) -> str:
@@ -63,9 +63,7 @@ def inspect_checkpoint(path: str, limit: int, out=None) -> int:
 def _check_archive(reader: FileSystemReader, info) -> None:
     """CRC-check every record of a tensor's zip archive, not only the ones
     load reads (load checks data.pkl and the tensor bytes)."""
-    with open(reader.path / info.relative_path, "rb") as f:
-        f.seek(info.offset)
-        raw = f.read(info.length)
+    raw = read_regular(reader.path / info.relative_path, info.offset, info.length)
     check_zip_crcs(raw, f"{reader.path / info.relative_path} at offset {info.offset}")
 
 

@@ -23,10 +23,13 @@ rewritten or partial data.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import functools
 import heapq
 import io
 import os
 import re
+import stat
 import uuid
 import zipfile
 from pathlib import Path
@@ -66,6 +69,64 @@ def _fsync_dir(path: Union[str, Path]) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory",
+          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device"}
+
+
+def special_file_error(path: Union[str, Path], mode: int,
+                       what: str = "") -> CorruptCheckpointError:
+    """The error for a checkpoint file that is not a regular file (a FIFO
+    would block a read, a link would read or write a file elsewhere)."""
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    why = ("dcpx follows no symbolic links inside a checkpoint directory"
+           if stat.S_ISLNK(mode) else "not a regular file")
+    return CorruptCheckpointError(f"{path}: {what}is {kind} ({why}; refused)")
+
+
+def open_regular(path: Union[str, Path]) -> int:
+    """A read-only descriptor of the regular file ``path``, opened without
+    following a link or blocking on a FIFO (csrc/files.c does the same for
+    the C reader).  The checkpoint directory itself may be a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENXIO):  # ENXIO: a socket
+            raise
+        mode = os.lstat(path).st_mode
+        if stat.S_ISREG(mode):
+            raise
+        raise special_file_error(path, mode) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise special_file_error(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Union[str, Path], offset: int = 0, length: int = -1) -> bytes:
+    """``length`` bytes at ``offset`` of a regular checkpoint file (all of
+    it from ``offset`` if length < 0); fewer only if the file is shorter."""
+    fd = open_regular(path)
+    try:
+        if length < 0:
+            length = max(0, os.fstat(fd).st_size - offset)
+        parts, got = [], 0
+        while got < length:
+            part = os.pread(fd, length - got, offset + got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
     finally:
         os.close(fd)
 
@@ -431,7 +492,8 @@ class FileSystemWriter(StorageWriter):
         try:
             if self.sync_files:
                 _fsync_dir(self.path)  # the data files' directory entries
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            # O_EXCL: a fresh file, never through a link or into a FIFO
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 view = memoryview(data)
                 while view:
@@ -490,6 +552,28 @@ def _set_value(planner: LoadPlanner, req: Any, value: Any) -> None:
         set_element(planner.original_state_dict, planner.mappings[req.dest_index.fqn], value)
     else:
         planner.state_dict[req.dest_index.fqn] = value
+#: bytes of saved-dtype temporaries (casting or resharding reads) alive at
+#: once during a load; a chunk larger than this is read alone
+_TEMP_BUDGET = 64 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_error(saved: torch.dtype, dest: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why ``Tensor.copy_`` (torch's load step) refuses saved -> dest, or None."""
+    try:
+        torch.zeros(1, dtype=dest, device=device).copy_(torch.zeros(1, dtype=saved))
+    except (RuntimeError, TypeError) as e:  # NotImplementedError is a RuntimeError
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_castable(key: str, saved: torch.dtype, target: torch.Tensor) -> None:
+    """Refuse, naming the key, a dtype pair torch's load refuses too."""
+    why = _cast_error(saved, target.dtype, target.device)
+    if why is not None:
+        raise TypeError(f"dcpx: cannot load {key!r}: the checkpoint holds {saved}, the "
+                        f"destination is {target.dtype}, and torch cannot convert "
+                        f"between them ({why})")
 
 
 class _TensorRead(NamedTuple):
@@ -499,6 +583,15 @@ class _TensorRead(NamedTuple):
     dtype: torch.dtype         # saved dtype
     target: torch.Tensor       # where the (narrowed) data goes
     narrow: Optional[tuple]    # (storage_offsets, lengths) within the chunk
+
+
+def _reads_in_place(r: _TensorRead) -> bool:
+    """Whether the C reader can read r's chunk straight into its target:
+    contiguous host memory of the saved shape and dtype."""
+    t = r.target
+    return (r.narrow is None and t.dtype == r.dtype and t.shape == r.chunk
+            and t.device.type == "cpu" and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
 
 
 class FileSystemReader(StorageReader):
@@ -541,7 +634,7 @@ class FileSystemReader(StorageReader):
         path = self.path / name
         _check_dir(self.path, create=False)
         try:
-            data = path.read_bytes()
+            data = read_regular(path)
         except FileNotFoundError:
             if not self.path.exists():
                 raise IncompleteCheckpointError(
@@ -619,11 +712,16 @@ class FileSystemReader(StorageReader):
                         f"{self.path}: metadata names data file {rel!r} outside the "
                         f"checkpoint directory (refused)")
                 try:
-                    sizes[rel] = os.stat(self.path / rel).st_size
+                    st = os.lstat(self.path / rel)
                 except FileNotFoundError:
                     raise CorruptCheckpointError(
                         f"{self.path}: data file {rel} is missing (needed by key "
                         f"{getattr(index, 'fqn', index)!r})") from None
+                if not stat.S_ISREG(st.st_mode):
+                    raise special_file_error(
+                        self.path / rel, st.st_mode,
+                        f"data file (needed by key {getattr(index, 'fqn', index)!r}) ")
+                sizes[rel] = st.st_size
             if (not isinstance(info.offset, int) or not isinstance(info.length, int)
                     or info.offset < 0 or info.length < 0
                     or info.offset + info.length > sizes[rel]):
@@ -654,9 +752,7 @@ class FileSystemReader(StorageReader):
         False or allow_pickle is set) that they unpickle under the allow-list
         (dcpx._values; ``load_value`` reads and unpickles in one pass)."""
         path = self.path / info.relative_path
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
+        data = read_regular(path, info.offset, info.length)
         if len(data) != info.length:
             raise CorruptCheckpointError(f"{path}: key {key!r}: file is truncated")
         if self.verify:
@@ -676,20 +772,38 @@ class FileSystemReader(StorageReader):
     def read_tensors(self, reads: Sequence[_TensorRead]) -> None:
         """Read tensor chunks into their targets: straight into the target's
         memory when it is contiguous host memory of the saved shape and dtype,
-        else through one temporary per chunk."""
-        files: dict[str, int] = {}
-        items, later = [], []
+        else through a temporary of the saved chunk (saved dtype), then
+        ``target.copy_(chunk narrowed)``: torch's own read_data step, which
+        also casts to the target's dtype.  Temporaries are held for at most
+        ``_TEMP_BUDGET`` bytes of chunks at a time (or one chunk if larger)."""
+        direct, staged = [], []
         for r in reads:
             if r.target.dtype != r.dtype:
-                raise ValueError(
-                    f"dcpx: dtype mismatch for {r.key!r}: the checkpoint holds "
-                    f"{r.dtype}, the destination is {r.target.dtype}")
-            direct = (r.narrow is None and r.target.device.type == "cpu"
-                      and r.target.is_contiguous() and r.target.shape == r.chunk
-                      and not r.target.is_conj() and not r.target.is_neg())
-            dest = r.target if direct else torch.empty(r.chunk, dtype=r.dtype)
-            if not direct:
-                later.append((dest, r))
+                check_castable(r.key, r.dtype, r.target)
+            (direct if _reads_in_place(r) else staged).append(r)
+        batch: list = []
+        nbytes = 0
+        for r in staged:
+            size = r.chunk.numel() * r.dtype.itemsize
+            if batch and nbytes + size > _TEMP_BUDGET:
+                self._read_batch(direct, batch)
+                direct, batch, nbytes = [], [], 0
+            batch.append(r)
+            nbytes += size
+        if direct or batch:
+            self._read_batch(direct, batch)
+
+    def _read_batch(self, direct: Sequence[_TensorRead], staged: Sequence[_TensorRead]) -> None:
+        """One C read of ``direct`` reads (into their targets) and ``staged``
+        ones (into temporaries, then copied into their targets)."""
+        files: dict[str, int] = {}
+        items: list = []
+        later: dict[int, torch.Tensor] = {}  # item index -> its temporary
+        reads = [*direct, *staged]
+        for n, r in enumerate(reads):
+            dest = r.target if n < len(direct) else torch.empty(r.chunk, dtype=r.dtype)
+            if n >= len(direct):
+                later[n] = dest
             fidx = files.setdefault(r.info.relative_path, len(files))
             items.append((fidx, r.info.offset, r.info.length, dlpack_view(dest),
                           storage_type_name(r.dtype)))
@@ -699,25 +813,32 @@ class FileSystemReader(StorageReader):
             r = reads[i]
             dest = items[i][3]
             if code == 1:  # valid archive in a form the C reader leaves to torch
-                self._fallback_read(r, dest)
+                t = self._fallback_read(r)
+                if i in later:
+                    # copy_ from torch.load's tensor itself, with the record's
+                    # strides, as torch does: a cast's result can depend on
+                    # the source layout (NaN to bfloat16: 0x7fc0 strided,
+                    # 0xffff vectorised)
+                    later[i] = t
+                else:
+                    dest.copy_(t.view(dest.dtype) if dest.dtype != t.dtype else t)
                 continue
             where = f"{self.path / r.info.relative_path}: key {r.key!r}"
             if code == 3 and err:
                 raise OSError(err, f"dcpx: {where}: {msg}: {os.strerror(err)}",
                               str(self.path / r.info.relative_path))
             raise CorruptCheckpointError(f"{where}: {msg}")
-        for dest, r in later:
-            src = dest
+        for i, src in later.items():
+            r = reads[i]
             if r.narrow is not None:
                 for dim, (start, length) in enumerate(zip(*r.narrow)):
                     src = src.narrow(dim, start, length)
             r.target.copy_(src)
 
-    def _fallback_read(self, r: _TensorRead, dest: torch.Tensor) -> None:
+    def _fallback_read(self, r: _TensorRead) -> torch.Tensor:
+        """The record loaded by torch.load (checked against the metadata)."""
         path = self.path / r.info.relative_path
-        with open(path, "rb") as f:
-            f.seek(r.info.offset)
-            raw = f.read(r.info.length)
+        raw = read_regular(path, r.info.offset, r.info.length)
         try:
             t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as e:
@@ -728,4 +849,4 @@ class FileSystemReader(StorageReader):
                 f"{path}: key {r.key!r}: record holds "
                 f"{getattr(t, 'dtype', type(t))}{tuple(getattr(t, 'shape', ()))}, "
                 f"metadata says {r.dtype}{tuple(r.chunk)}")
-        dest.copy_(t.view(dest.dtype) if dest.dtype != t.dtype else t)
+        return t

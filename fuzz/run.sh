@@ -38,7 +38,7 @@ build() {
     # (never called)
     # shellcheck disable=SC2086
     $CC "${CFLAGS[@]}" $PYINC fuzz/fuzz_reader.c csrc/zipread.c csrc/crc32.c \
-        csrc/zipwrite.c csrc/workers.c -L"$PYLIBDIR" -Wl,-rpath,"$PYLIBDIR" -l"$PYLIB" \
+        csrc/zipwrite.c csrc/workers.c csrc/files.c -L"$PYLIBDIR" -Wl,-rpath,"$PYLIBDIR" -l"$PYLIB" \
         -lpthread -o fuzz/build/fuzz_reader
     # shellcheck disable=SC2086
     $CC "${CFLAGS[@]}" $PYINC fuzz/fuzz_picklescan.c \

@@ -201,6 +201,35 @@ def check_many_chunks_4(ctx):
     assert_bit_equal(sd["many"], many_full(), "many into a plain tensor")
 
 
+#: each saved tensor loaded into another dtype (torch casts with copy_)
+CAST = {"a": torch.bfloat16, "b": torch.float32, "c": torch.float16, "r": torch.int32,
+        "e": torch.float64, "p": torch.float64, "s": torch.bfloat16}
+
+
+def _cast_check(source: str):
+    def check(ctx):
+        """Resharded into other placements and other dtypes: dcpx's reads
+        (narrowed chunks, cast) against torch's load, bit for bit."""
+        import torch.distributed.checkpoint as tdcp
+
+        mesh = _mesh(1)
+
+        def dest():
+            sd = {n: dtensor_of(torch.zeros(shape, dtype=CAST[n]), mesh, _placements(SWAPPED[n]))
+                  for n, (shape, _) in TENSORS.items()}
+            sd.update({n: torch.zeros(shape, dtype=CAST[n]) for n, (shape, _) in PLAIN.items()})
+            return sd
+        got, expected = dest(), dest()
+        dcpx.load(got, checkpoint_id=ctx.path(source))
+        tdcp.load(expected, checkpoint_id=ctx.path(source))
+        for n in got:
+            g, e = got[n], expected[n]
+            if n in TENSORS:
+                g, e = g.to_local(), e.to_local()
+            assert_bit_equal(g, e, f"{source} into {CAST[n]} at world size {ctx.world_size}: {n}")
+    return check
+
+
 def load_checks(m: int) -> list:
     """The checks of the load phase at world size m, in order."""
     checks = []
@@ -220,6 +249,9 @@ def load_checks(m: int) -> list:
                               _load_check(f"torch_{n}", SWAPPED, "dcpx")))
         checks.append(_define(f"check_dcpx_{n}_into_plain_tensors",
                               _plain_check(f"dcpx_{n}")))
+        CHECK_SOURCE_N[f"check_dcpx_{n}_cast_to_other_dtypes"] = n
+        checks.append(_define(f"check_dcpx_{n}_cast_to_other_dtypes",
+                              _cast_check(f"dcpx_{n}")))
         if m == 4:
             checks.append(_define(f"check_dcpx_{n}_into_2d_mesh",
                                   _load_check(f"dcpx_{n}", MESH_2D, "dcpx")))
