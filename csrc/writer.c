@@ -650,10 +650,19 @@ static PyType_Slot WriteJob_slots[] = {
     {0, NULL},
 };
 
+/* Py_TPFLAGS_IMMUTABLETYPE is new in Python 3.10.  On 3.9 the type is left
+ * mutable (its attributes could be reassigned from Python), which nothing in
+ * dcpx relies on; everything else the extension uses exists in 3.9. */
+#ifdef Py_TPFLAGS_IMMUTABLETYPE
+#define WRITEJOB_TPFLAGS_IMMUTABLE Py_TPFLAGS_IMMUTABLETYPE
+#else
+#define WRITEJOB_TPFLAGS_IMMUTABLE 0
+#endif
+
 PyType_Spec dcpx_writejob_spec = {
     .name = "dcpx._C.WriteJob",
     .basicsize = sizeof(WriteJob),
     .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
-             Py_TPFLAGS_IMMUTABLETYPE,
+             WRITEJOB_TPFLAGS_IMMUTABLE,
     .slots = WriteJob_slots,
 };

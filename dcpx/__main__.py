@@ -1,11 +1,18 @@
 """Command-line tools for DCP checkpoints (dcpx's or torch's).
 
     python -m dcpx inspect CHECKPOINT     what is in it: keys, dtypes, shapes, files
-    python -m dcpx verify CHECKPOINT      read every record and check its CRC-32;
-                                          exit status 1 if anything is wrong
+    python -m dcpx verify CHECKPOINT      read every record and check its CRC-32,
+                                          one line for each problem found
 
 Both read the metadata with dcpx's safe unpickler: inspecting or verifying
 an untrusted checkpoint never runs code from it.
+
+Exit status: 0 the checkpoint is sound (verify: every record read and
+checked); 1 the checkpoint has problems (verify reports every one, one line
+each, naming the key and the file: a corrupt or unreadable .metadata, a
+missing, truncated or unreadable data file, a CRC-32 mismatch, a value that
+does not unpickle); 2 no checkpoint to check: a usage error, or the path
+does not exist, is not a directory, or has no .metadata (never committed).
 """
 from __future__ import annotations
 
@@ -15,9 +22,14 @@ from collections import defaultdict
 from typing import Optional, Sequence
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .filesystem import FileSystemReader, _TensorRead, check_zip_crcs, read_regular
 
 
@@ -69,15 +81,58 @@ def _check_archive(reader: FileSystemReader, info) -> None:
 
 def verify_checkpoint(path: str, out=None) -> int:
     """Read every tensor chunk (CRC-checked), CRC-check every other record of
-    its archive, and load every value (weights_only); report each problem.
-    Returns the number of problems."""
+    its archive, and load every value (weights_only); report each problem,
+    one line each, and keep going.  Returns the number of problems.
+
+    Raises IncompleteCheckpointError / NotADirectoryError when there is no
+    checkpoint at ``path`` at all (exit status 2)."""
     out = out or sys.stdout  # looked up per call: redirect_stdout works
     reader = FileSystemReader(path)
-    md = reader.read_metadata()
-    reader.set_up_storage_reader(md, True)
     problems = 0
-    checked = 0
+
+    def bad(what: str, e: BaseException) -> None:
+        nonlocal problems
+        problems += 1
+        msg = str(e) if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: {e}"
+        print(f"  BAD {what}: {msg}", file=out)
+
+    try:
+        md = reader.read_metadata()
+    except (IncompleteCheckpointError, NotADirectoryError):
+        raise
+    except Exception as e:  # a corrupt, unsafe or unreadable .metadata
+        bad(".metadata", e)
+        print(f"{path}: 0 records verified, {problems} problem(s)", file=out)
+        return problems
+
+    # Every key the metadata declares needs its storage entries.
+    for fqn, sdm in md.state_dict_metadata.items():
+        if isinstance(sdm, TensorStorageMetadata):
+            wanted = [MetadataIndex(fqn, ch.offsets) for ch in sdm.chunks]
+        else:
+            wanted = [MetadataIndex(fqn)]
+        for index in wanted:
+            if index not in md.storage_data:
+                bad(fqn, CorruptCheckpointError(
+                    f"{reader.path}: metadata has no storage entry for {fqn!r}"
+                    + (f" at offset {tuple(index.offset)}" if index.offset is not None else "")))
+
+    # Validate each entry on its own (the reader stops at the first bad one)
+    # so that every missing file and every bad extent is reported.
+    good = {}
     for index, info in md.storage_data.items():
+        try:
+            reader._validate_storage(Metadata(state_dict_metadata=md.state_dict_metadata,
+                                              storage_data={index: info}))
+            good[index] = info
+        except Exception as e:
+            bad(getattr(index, "fqn", repr(index)), e)
+    reader.set_up_storage_reader(
+        Metadata(state_dict_metadata=md.state_dict_metadata, storage_data=good,
+                 planner_data=md.planner_data, storage_meta=md.storage_meta), True)
+
+    checked = 0
+    for index, info in good.items():
         sdm = md.state_dict_metadata.get(index.fqn)
         try:
             if isinstance(sdm, TensorStorageMetadata):
@@ -88,30 +143,37 @@ def verify_checkpoint(path: str, out=None) -> int:
             else:
                 reader.read_bytes(index.fqn, info)
             checked += 1
-        except (CheckpointError, OSError, ValueError) as e:
-            problems += 1
-            print(f"  BAD {index.fqn}: {e}", file=out)
+        except Exception as e:
+            bad(index.fqn, e)
     status = "OK" if problems == 0 else f"{problems} problem(s)"
     print(f"{path}: {checked} records verified, {status}", file=out)
     return problems
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="dcpx", description=__doc__.split("\n\n")[0])
+    exit_status = __doc__.split("\n\n")[-1].strip()
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="dcpx", description=__doc__.split("\n\n")[0],
+                                epilog=exit_status, formatter_class=fmt)
     sub = p.add_subparsers(dest="cmd", required=True)
-    pi = sub.add_parser("inspect", help="list what a checkpoint holds")
+    pi = sub.add_parser("inspect", help="list what a checkpoint holds",
+                        epilog=exit_status, formatter_class=fmt)
     pi.add_argument("checkpoint")
     pi.add_argument("--limit", type=int, default=50, help="keys to list (default 50)")
-    pv = sub.add_parser("verify", help="check every record of a checkpoint")
+    pv = sub.add_parser("verify", help="check every record of a checkpoint",
+                        epilog=exit_status, formatter_class=fmt)
     pv.add_argument("checkpoint")
-    args = p.parse_args(argv)
+    args = p.parse_args(argv)  # usage errors: exit status 2 (argparse)
     try:
         if args.cmd == "inspect":
             return inspect_checkpoint(args.checkpoint, args.limit)
         return 1 if verify_checkpoint(args.checkpoint) else 0
-    except (CheckpointError, OSError) as e:
+    except (IncompleteCheckpointError, NotADirectoryError) as e:
         print(f"dcpx {args.cmd}: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"dcpx {args.cmd}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -96,6 +96,25 @@ def _staged_payload(t: torch.Tensor, key: str) -> tuple:
     return (dlpack_export(dlpack_view(t.detach())), storage_type_name(t.dtype))
 
 
+def _staging_failed(e: BaseException, writer) -> BaseException:
+    """A stager's OSError (its buffer allocation, memfd or mapping failed),
+    naming the checkpoint it was staging for: a stager does not know the
+    path.  Same type and errno, the original as its ``__cause__``.  Other
+    errors pass unchanged: they are about the state dict (a tensor that
+    cannot be saved) and name its key, as ``save``'s do."""
+    where = getattr(writer, "path", None) or getattr(writer, "checkpoint_id", None)
+    if not isinstance(e, OSError) or e.errno is None or where is None or str(where) in str(e):
+        return e
+    try:
+        new = type(e)(e.errno, f"dcpx: staging for the checkpoint at {where} failed: "
+                               f"{e.strerror or e}",
+                      *(() if e.filename is None else (e.filename,)))
+    except Exception:
+        return e
+    new.__cause__ = e
+    return new
+
+
 def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
             use_collectives):
     """Write and commit one staged state dict (runs on the upload thread).
@@ -108,9 +127,10 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
         try:
             staged = staged.result()
         except Exception as e:
+            err = _staging_failed(e, writer)
             if dist_path_eligible(writer, planner, no_dist):
-                _dist.abort_save(process_group, e)  # the other ranks raise too
-            raise
+                _dist.abort_save(process_group, err)  # the other ranks raise too
+            raise err
     if _dist_in_use(no_dist):
         sharded = None
         if isinstance(stager, DefaultStager) and dist_path_eligible(writer, planner, no_dist):
@@ -177,7 +197,11 @@ def async_save(
         else:  # per call, as torch's; shared memory lets a PROCESS upload map it
             async_stager = owned = DefaultStager(StagingOptions(False, process, False, False))
     try:
-        staged = async_stager.stage(_stateful_to_state_dict(state_dict))
+        flat_sd = _stateful_to_state_dict(state_dict)
+        try:
+            staged = async_stager.stage(flat_sd)
+        except Exception as e:
+            raise _staging_failed(e, writer)
 
         args = (staged, async_stager, writer, planner, process_group, no_dist, use_collectives)
         if process:
@@ -203,7 +227,7 @@ def async_save(
             if err is None:
                 staging_done.set_result(None)
             else:
-                staging_done.set_exception(err)
+                staging_done.set_exception(_staging_failed(err, writer))
 
         staged.add_done_callback(_relay)
         return AsyncSaveResponse(staging_completion=staging_done, upload_completion=upload)

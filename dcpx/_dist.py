@@ -303,11 +303,13 @@ def _failure(rank: int, e: BaseException) -> tuple:
     return ("err", f"rank {rank}: {type(e).__name__}: {e}")
 
 
-def _raise_remote(what: str, errors: list, own: Optional[BaseException]) -> None:
-    """Raise this rank's own exception, or one naming the failed ranks."""
+def _raise_remote(what: str, errors: list, own: Optional[BaseException], where) -> None:
+    """Raise this rank's own exception, or one naming the checkpoint and the
+    failed ranks (each of ``errors`` starts with "rank N:")."""
     if own is not None:
         raise own
-    raise CheckpointError(f"dcpx: {what} failed on another rank: " + "; ".join(errors))
+    raise CheckpointError(f"dcpx: {what} of the checkpoint at {where} failed: "
+                          + "; ".join(errors))
 
 
 _async_groups: dict = {}
@@ -603,7 +605,7 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     if reply[0] == "refuse":
         raise CheckpointError(reply[1])
     if reply[0] != "ok":
-        _raise_remote("save planning", reply[1], own)
+        _raise_remote("save planning", reply[1], own, writer.path)
     _, prefix, mine = reply
     # 3. write; file layout + status -> coordinator
     names: list = []
@@ -624,7 +626,7 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     if outcome[0] != "ok":
         if outcome[0] == "err":
             _discard(writer, names)  # nothing will ever reference these files
-        _raise_remote("save", outcome[1], own)
+        _raise_remote("save", outcome[1], own, writer.path)
     if metadata is None:
         metadata = _LazyMetadata(outcome[1], str(writer.path / _metadata.METADATA_FN))
     return metadata
@@ -644,7 +646,7 @@ def _coordinate(writer: FileSystemWriter, gathered: list) -> tuple:
 
 
 def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list,
-            own: Optional[BaseException]) -> tuple:
+            own: Optional[BaseException], rank: int = 0) -> tuple:
     """(outcome for every rank, Metadata or None).  Outcome ``("err", ...)``
     means nothing was committed; ``("unknown", ...)`` that the commit failed
     after the metadata may have become visible."""
@@ -661,11 +663,11 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
                             storage_meta=writer.storage_meta(), version=DCP_VERSION)
         data = writer.encode_metadata(metadata)
     except Exception as e:
-        return ("err", [_failure(0, e)[1]]), None
+        return ("err", [_failure(rank, e)[1]]), None
     try:
         writer.commit(metadata, data)
     except Exception as e:
-        return ("unknown", [f"commit: {type(e).__name__}: {e}"]), None
+        return ("unknown", [f"rank {rank}: commit: {type(e).__name__}: {e}"]), None
     return ("ok", data), metadata
 
 
@@ -679,9 +681,10 @@ def _save_alone(writer: FileSystemWriter, flat: dict, mappings: dict, g: _Group,
     names, layout = write(writer, writer._prefix(g.rank),
                           [_Entry(i, p, it.nbytes) for i, (it, p)
                            in enumerate(zip(items, payloads))])
-    outcome, metadata = _commit(writer, plan, [("ok", names, layout)], None)
+    outcome, metadata = _commit(writer, plan, [("ok", names, layout)], None, g.rank)
     if outcome[0] != "ok":
-        raise CheckpointError(f"dcpx: save failed: {'; '.join(outcome[1])}")
+        raise CheckpointError(f"dcpx: save of the checkpoint at {writer.path} failed: "
+                              f"{'; '.join(outcome[1])}")
     dist.barrier(group=g.group)
     return metadata
 
@@ -823,4 +826,4 @@ def load(reader: FileSystemReader, flat: dict, mappings: dict, original: dict, g
     statuses = g.all_gather(status)
     errors = [s[1] for s in statuses if s[0] != "ok"]
     if errors:
-        _raise_remote("load", errors, own)
+        _raise_remote("load", errors, own, reader.path)

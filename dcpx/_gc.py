@@ -5,8 +5,8 @@ Planning a 20,000-tensor save, flattening its state dict, or unpickling its
 metadata allocates ~10 objects per tensor.  Every few hundred allocations
 trigger a collection, and the older generations' passes scan every live
 object (the model and optimizer included), so the collector costs more than
-the work itself: unpickling a 20,000-tensor .metadata takes 0.43 s with it
-and 0.10 s without it on the development machine.  None of these phases
+the work itself: reading a 20,000-tensor .metadata takes 3.9x as long with
+it (benchmarks/bench_metadata.py; docs/design.md).  None of these phases
 creates reference cycles that must be collected before it ends.
 
 The collector's switch is process-wide and these phases run on several

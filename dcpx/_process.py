@@ -67,9 +67,13 @@ class _Worker:
             raise
 
     def _run(self, staged, stager, writer) -> Any:
+        from ._async import _staging_failed
         from .staging import DefaultStager
         if isinstance(staged, Future):
-            staged = staged.result()
+            try:
+                staged = staged.result()
+            except Exception as e:
+                raise _staging_failed(e, writer)
         layout = stager.shared_layout_of(staged) if isinstance(stager, DefaultStager) else None
         config = _writer_config(writer)
         if layout is None:
@@ -95,6 +99,7 @@ class _Worker:
         checkpoint process writes this rank's data files."""
         from . import _dist
         from ._api import dist_path_state
+        from ._async import _staging_failed
         from .staging import DefaultStager
         if isinstance(group, _dist.AsyncTicket):
             with group.turn() as pg:
@@ -103,7 +108,8 @@ class _Worker:
             try:
                 staged = staged.result()
             except Exception as e:
-                _dist.abort_save(group, e)  # the other ranks raise too
+                # the other ranks raise too
+                _dist.abort_save(group, _staging_failed(e, writer))
         layout = stager.shared_layout_of(staged) if isinstance(stager, DefaultStager) else None
         if layout is not None:
             flat, mappings = layout.flat, layout.mappings

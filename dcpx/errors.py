@@ -1,7 +1,10 @@
 """Exceptions raised by dcpx.
 
-Every error names the checkpoint path and, where one is involved, the
-state-dict key (fully qualified name) and the data file.
+Every error about a checkpoint (these classes, and the OSErrors of staging,
+writing, committing and reading, on this rank or reported from another)
+names the checkpoint path and, where one is involved, the state-dict key
+(fully qualified name), the data file and the rank.  Errors about the state
+dict itself (a value that cannot be saved) name the key, as torch's do.
 
 Catchable as torch's are: torch.distributed.checkpoint reports a failed
 save or load as ``CheckpointException`` (a BaseException carrying
