@@ -389,7 +389,8 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
         dcpx_cuda_raise(module, err.rc, what);
         goto done;
     }
-    result = Py_NewRef(Py_None);
+    Py_INCREF(Py_None); /* Py_NewRef is 3.10+ */
+    result = Py_None;
 done:
     for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
         if (ev[d] != NULL) {

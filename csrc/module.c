@@ -267,9 +267,15 @@ static int dcpx_exec(PyObject *m)
         "dcpx._C.CudaError",
         "A CUDA driver call failed, or the driver cannot be used; `code` is "
         "the CUresult.", PyExc_RuntimeError, NULL);
-    if (st->CudaError == NULL ||
-        PyModule_AddObjectRef(m, "CudaError", st->CudaError) < 0)
+    if (st->CudaError == NULL)
         return -1;
+    /* PyModule_AddObjectRef is 3.10+: AddObject steals a reference on
+     * success only. */
+    Py_INCREF(st->CudaError);
+    if (PyModule_AddObject(m, "CudaError", st->CudaError) < 0) {
+        Py_DECREF(st->CudaError);
+        return -1;
+    }
     if (PyModule_AddStringConstant(m, "crc32_impl", dcpx_crc32_impl()) < 0)
         return -1;
     if (PyModule_AddIntConstant(m, "ALIGN", DCPX_ALIGN) < 0)
