@@ -25,7 +25,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .filesystem import FileSystemReader, FileSystemWriter
-from .staging import DefaultStager, StagingOptions
+from .staging import DefaultStager, StagingOptions, release_staging_buffers
 
 __version__ = "0.1.0"
 
@@ -37,6 +37,7 @@ __all__ = [
     "AsyncSaveResponse",
     "DefaultStager",
     "StagingOptions",
+    "release_staging_buffers",
     "FileSystemWriter",
     "FileSystemReader",
     "Stateful",
