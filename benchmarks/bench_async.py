@@ -258,12 +258,12 @@ def run_config(cfg, sd, case_dir, repeat):
         steps = step_test(save_fn, sd, paths[repeat], stager, float(repeat))
         shutil.rmtree(paths[repeat - 1])
         alloc = getattr(stager, "alloc_count", None)
-        if name == NOSTAGER_DCPX:
+        if name == NOSTAGER_DCPX and hasattr(dcpx.staging, "_pool"):  # absent before the pool
             alloc = dcpx.staging._pool.stats()["thread"]["alloc_count"]
     finally:
         if hasattr(stager, "close"):
             stager.close()
-        if name == NOSTAGER_DCPX:
+        if name == NOSTAGER_DCPX and hasattr(dcpx, "release_staging_buffers"):
             dcpx.release_staging_buffers()
         del stager
         gc.collect()
