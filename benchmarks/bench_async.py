@@ -176,6 +176,7 @@ def probe_torch_writer(base):
 
 
 PROBE = {}
+NOSTAGER_DCPX, NOSTAGER_TORCH = "dcpx no stager (default call)", "torch no stager (default call)"
 CONFIGS = [  # (name, stager factory(first checkpoint path), save function)
     ("dcpx async staging",
      lambda p: dcpx.DefaultStager(dcpx.StagingOptions(use_async_staging=True)), saver(dcpx)),
@@ -188,6 +189,10 @@ CONFIGS = [  # (name, stager factory(first checkpoint path), save function)
     ("torch FileSystemWriter(cache_staged_state_dict)",
      lambda p: (tdcp.FileSystemWriter if PROBE.get("writer") == "works" else CpuCachedWriter)(
          p, cache_staged_state_dict=True), saver(tdcp, "storage_writer")),
+    # The default call, async_save(sd, checkpoint_id=...) every N steps (torchtitan's async
+    # mode): torch makes a DefaultStager per call, dcpx reuses the buffers it keeps.
+    (NOSTAGER_DCPX, lambda p: None, saver(dcpx)),
+    (NOSTAGER_TORCH, lambda p: None, saver(tdcp)),
 ]
 NOTES = [
     "torch DefaultStager: StagingOptions(use_pinned_memory=False, use_shared_memory=False, "
@@ -202,6 +207,10 @@ NOTES = [
     "the benchmark overwrites element 0 of the first and last source tensors, so a checkpoint "
     "holding values read after staging fails verification.",
     f"Staging target reference: {MEMCPY} (median).",
+    "No stager (default call): async_save(sd, checkpoint_id=path) with nothing else, as "
+    "torchtitan's async mode calls it; torch makes DefaultStager(StagingOptions(False, False, "
+    "False, False)) per call, dcpx reuses the staging buffers it keeps between such calls "
+    "(dcpx.release_staging_buffers() after the configuration). Blocking = time in the call.",
 ]
 
 
@@ -249,9 +258,13 @@ def run_config(cfg, sd, case_dir, repeat):
         steps = step_test(save_fn, sd, paths[repeat], stager, float(repeat))
         shutil.rmtree(paths[repeat - 1])
         alloc = getattr(stager, "alloc_count", None)
+        if name == NOSTAGER_DCPX and hasattr(dcpx.staging, "_pool"):  # absent before the pool
+            alloc = dcpx.staging._pool.stats()["thread"]["alloc_count"]
     finally:
         if hasattr(stager, "close"):
             stager.close()
+        if name == NOSTAGER_DCPX and hasattr(dcpx, "release_staging_buffers"):
+            dcpx.release_staging_buffers()
         del stager
         gc.collect()
     stamp(sd, float(repeat))  # the values of the last call
@@ -318,6 +331,8 @@ def run_case(label, sd, args, base):
     res = {"case": label, "tensors": len(sd), "bytes": n,
            "baselines": baselines(sd, case_dir, args.repeat), "configs": []}
     for cfg in CONFIGS:
+        if args.only and not any(o in cfg[0] for o in args.only):
+            continue
         print(f"[{label}] {cfg[0]}", flush=True)
         res["configs"].append(run_config(cfg, sd, case_dir, args.repeat))
     shutil.rmtree(case_dir)
@@ -330,9 +345,13 @@ def run_case(label, sd, args, base):
         c["staging_met"] = c["staging_vs_memcpy"] <= STAGING_TARGET
         c["upload_met"] = c["upload_vs_write_limit"] >= UPLOAD_TARGET
     by = {c["name"]: c["median_2_to_n"] for c in res["configs"]}
+    plain = [c for c in by if c not in (NOSTAGER_DCPX, NOSTAGER_TORCH)]
+    pairs = [(d, t) for d in plain if d.startswith("dcpx") for t in plain if t.startswith("torch")]
+    pairs += [(NOSTAGER_DCPX, NOSTAGER_TORCH)] if NOSTAGER_DCPX in by and NOSTAGER_TORCH in by \
+        else []
     res["speedups"] = [{"dcpx": d, "torch": t, **{k: by[t][k] / by[d][k] for k in
                                                    ("blocking_s", "staging_s", "upload_s")}}
-                       for d in list(by)[:2] for t in list(by)[2:]]
+                       for d, t in pairs]
     return res
 
 
@@ -397,6 +416,16 @@ def render(results, meta):
                      [(s["dcpx"], s["torch"], *(f"{s[k]:.2f}x" for k in
                                                 ("blocking_s", "staging_s", "upload_s")))
                       for s in r["speedups"]])
+        nost = {c["name"]: c for c in r["configs"] if c["name"] in (NOSTAGER_DCPX, NOSTAGER_TORCH)}
+        if len(nost) == 2:
+            d, t = nost[NOSTAGER_DCPX]["saves"], nost[NOSTAGER_TORCH]["saves"]
+            out += ["", "No stager (default call): seconds blocked in async_save, call by call "
+                    f"(dcpx staging-buffer allocations: {nost[NOSTAGER_DCPX]['stager_alloc_count']}):",
+                    ""]
+            out += table(["call", "dcpx blocking s", "torch blocking s", "dcpx / torch"],
+                         [(i + 1, f(a["blocking_s"], 4), f(b["blocking_s"], 4),
+                           f(a["blocking_s"] / b["blocking_s"], 2))
+                          for i, (a, b) in enumerate(zip(d, t))])
         out += ["", "Training-step slowdown: 4x 512x512 matmul, torch.set_num_threads(1), during "
                 "extra saves (warm stager; until >= 40 steps overlapped one, at most 5 saves); "
                 "ratio = median step / median step alone (before + after); save times are medians.",
@@ -418,6 +447,9 @@ def parse_args(argv):
     p.add_argument("--repeat", type=int, default=5, help="saves per configuration (>= 2)")
     p.add_argument("--quick", action="store_true", help="64 MiB / 2000 tensors / 3 saves")
     p.add_argument("--dir", default=tempfile.gettempdir(), help="where checkpoints are written")
+    p.add_argument("--only", action="append", default=[], metavar="TEXT",
+                   help="run only the configurations whose name contains TEXT (repeatable), "
+                   "e.g. --only 'no stager'")
     p.add_argument("--out", help="path stem of the .json/.md results "
                    "(default benchmarks/results/async_local, async_quick with --quick)")
     a = p.parse_args(argv)

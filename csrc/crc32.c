@@ -71,9 +71,21 @@ static uint32_t crc32_slice8(uint32_t c, const unsigned char *p, size_t n)
 #include <immintrin.h>
 
 /* Fold 64-byte blocks.  Requires n >= 64 and n % 16 == 0; `c` is the
- * pre-inverted register value, as for crc32_slice8. */
-__attribute__((target("pclmul,sse4.1"))) static uint32_t
-crc32_clmul(uint32_t c, const unsigned char *p, size_t n)
+ * pre-inverted register value, as for crc32_slice8.  With `dst`, every
+ * 16 bytes loaded are also stored there, and the CRC is of those very
+ * values (a fused copy: what is stored is what is CRC'd, even if p[] is
+ * being changed by another thread).  Instantiated twice, with dst NULL and
+ * not, so the plain CRC's loop has no stores. */
+#define CRC_LOAD(x, off)                                                     \
+    do {                                                                     \
+        (x) = _mm_loadu_si128((const __m128i *)(p + (off)));                 \
+        if (dst)                                                             \
+            _mm_storeu_si128((__m128i *)(dst + (off)), (x));                 \
+    } while (0)
+
+__attribute__((target("pclmul,sse4.1"), always_inline)) static inline uint32_t
+crc32_clmul_body(uint32_t c, const unsigned char *p, unsigned char *dst,
+                 size_t n)
 {
     static const uint64_t k1k2[2] __attribute__((aligned(16))) = {
         0x0154442bd4ULL, 0x01c6e41596ULL};
@@ -85,13 +97,15 @@ crc32_clmul(uint32_t c, const unsigned char *p, size_t n)
         0x01db710641ULL, 0x01f7011641ULL};
     __m128i x0, x1, x2, x3, x4, x5, x6, x7, x8, y5, y6, y7, y8;
 
-    x1 = _mm_loadu_si128((const __m128i *)(p + 0x00));
-    x2 = _mm_loadu_si128((const __m128i *)(p + 0x10));
-    x3 = _mm_loadu_si128((const __m128i *)(p + 0x20));
-    x4 = _mm_loadu_si128((const __m128i *)(p + 0x30));
+    CRC_LOAD(x1, 0x00);
+    CRC_LOAD(x2, 0x10);
+    CRC_LOAD(x3, 0x20);
+    CRC_LOAD(x4, 0x30);
     x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)c));
     x0 = _mm_load_si128((const __m128i *)k1k2);
     p += 64;
+    if (dst)
+        dst += 64;
     n -= 64;
 
     while (n >= 64) {
@@ -103,15 +117,17 @@ crc32_clmul(uint32_t c, const unsigned char *p, size_t n)
         x2 = _mm_clmulepi64_si128(x2, x0, 0x11);
         x3 = _mm_clmulepi64_si128(x3, x0, 0x11);
         x4 = _mm_clmulepi64_si128(x4, x0, 0x11);
-        y5 = _mm_loadu_si128((const __m128i *)(p + 0x00));
-        y6 = _mm_loadu_si128((const __m128i *)(p + 0x10));
-        y7 = _mm_loadu_si128((const __m128i *)(p + 0x20));
-        y8 = _mm_loadu_si128((const __m128i *)(p + 0x30));
+        CRC_LOAD(y5, 0x00);
+        CRC_LOAD(y6, 0x10);
+        CRC_LOAD(y7, 0x20);
+        CRC_LOAD(y8, 0x30);
         x1 = _mm_xor_si128(_mm_xor_si128(x1, x5), y5);
         x2 = _mm_xor_si128(_mm_xor_si128(x2, x6), y6);
         x3 = _mm_xor_si128(_mm_xor_si128(x3, x7), y7);
         x4 = _mm_xor_si128(_mm_xor_si128(x4, x8), y8);
         p += 64;
+        if (dst)
+            dst += 64;
         n -= 64;
     }
 
@@ -128,11 +144,13 @@ crc32_clmul(uint32_t c, const unsigned char *p, size_t n)
     x1 = _mm_xor_si128(_mm_xor_si128(x1, x4), x5);
 
     while (n >= 16) {
-        x2 = _mm_loadu_si128((const __m128i *)p);
+        CRC_LOAD(x2, 0);
         x5 = _mm_clmulepi64_si128(x1, x0, 0x00);
         x1 = _mm_clmulepi64_si128(x1, x0, 0x11);
         x1 = _mm_xor_si128(_mm_xor_si128(x1, x2), x5);
         p += 16;
+        if (dst)
+            dst += 16;
         n -= 16;
     }
 
@@ -156,6 +174,20 @@ crc32_clmul(uint32_t c, const unsigned char *p, size_t n)
     x1 = _mm_xor_si128(x1, x2);
     return (uint32_t)_mm_extract_epi32(x1, 1);
 }
+#undef CRC_LOAD
+
+__attribute__((target("pclmul,sse4.1"))) static uint32_t
+crc32_clmul(uint32_t c, const unsigned char *p, size_t n)
+{
+    return crc32_clmul_body(c, p, NULL, n);
+}
+
+__attribute__((target("pclmul,sse4.1"))) static uint32_t
+crc32_clmul_copy(uint32_t c, unsigned char *dst, const unsigned char *p,
+                 size_t n)
+{
+    return crc32_clmul_body(c, p, dst, n);
+}
 #endif
 
 uint32_t dcpx_crc32(uint32_t crc, const void *buf, size_t len)
@@ -171,6 +203,27 @@ uint32_t dcpx_crc32(uint32_t crc, const void *buf, size_t len)
     }
 #endif
     c = crc32_slice8(c, p, len);
+    return ~c;
+}
+
+uint32_t dcpx_crc32_copy(uint32_t crc, void *dst, const void *src, size_t len)
+{
+    const unsigned char *p = src;
+    unsigned char *d = dst;
+    uint32_t c = ~crc;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (have_clmul && len >= 64) {
+        size_t chunk = len & ~(size_t)15;
+        c = crc32_clmul_copy(c, d, p, chunk);
+        p += chunk;
+        d += chunk;
+        len -= chunk;
+    }
+#endif
+    /* The rest (all of it without PCLMULQDQ): copy, then CRC the copy. */
+    if (len)
+        memcpy(d, p, len);
+    c = crc32_slice8(c, d, len);
     return ~c;
 }
 

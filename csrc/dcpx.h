@@ -101,6 +101,10 @@ void dcpx_view_gather(const dcpx_view *v, uint64_t from, uint64_t len,
 /* ------------------------------------------------------------------ */
 /* crc32.c: CRC-32 as used by zip (IEEE 802.3, reflected 0xEDB88320). */
 uint32_t dcpx_crc32(uint32_t crc, const void *buf, size_t len);
+/* Copy src to dst (not overlapping) and return the CRC of the bytes stored
+ * in dst, read once from src: a writer that writes dst has a CRC of exactly
+ * what it wrote, even if src changes meanwhile. */
+uint32_t dcpx_crc32_copy(uint32_t crc, void *dst, const void *src, size_t len);
 /* crc of A||B from crc(A), crc(B) and len(B). */
 uint32_t dcpx_crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 void dcpx_crc32_init(void);

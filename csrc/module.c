@@ -43,6 +43,33 @@ static PyObject *dcpx_crc32_py(PyObject *m, PyObject *args)
     return PyLong_FromUnsignedLong(crc);
 }
 
+PyDoc_STRVAR(crc32_copy_doc, "crc32_copy($module, dst, src, value=0, /)\n--\n\n"
+             "Copy src into the writable buffer dst (at least as long) and "
+             "return the CRC-32 of the bytes stored, read once from src (the "
+             "writer's fused copy + CRC).");
+
+static PyObject *dcpx_crc32_copy_py(PyObject *m, PyObject *args)
+{
+    Py_buffer d, s;
+    unsigned int value = 0;
+    uint32_t crc;
+    (void)m;
+    if (!PyArg_ParseTuple(args, "w*y*|I:crc32_copy", &d, &s, &value))
+        return NULL;
+    if (d.len < s.len) {
+        PyBuffer_Release(&d);
+        PyBuffer_Release(&s);
+        PyErr_SetString(PyExc_ValueError, "dcpx: crc32_copy: dst is shorter than src");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    crc = dcpx_crc32_copy(value, d.buf, s.buf, (size_t)s.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&s);
+    return PyLong_FromUnsignedLong(crc);
+}
+
 PyDoc_STRVAR(combine_doc, "crc32_combine($module, crc_a, crc_b, len_b, /)\n--\n\n"
              "CRC-32 of A+B from crc32(A), crc32(B) and len(B).");
 
@@ -244,6 +271,7 @@ static PyMethodDef dcpx_methods[] = {
     {"copy_into", (PyCFunction)(void (*)(void))dcpx_copy_into,
      METH_VARARGS | METH_KEYWORDS, copy_doc},
     {"crc32", dcpx_crc32_py, METH_VARARGS, crc32_doc},
+    {"crc32_copy", dcpx_crc32_copy_py, METH_VARARGS, crc32_copy_doc},
     {"crc32_combine", dcpx_combine_py, METH_VARARGS, combine_doc},
     {"probe_tensor", dcpx_probe_tensor, METH_O, probe_doc},
     {"gather_bytes", dcpx_gather_py, METH_O, gather_doc},

@@ -12,11 +12,18 @@
  * Construction runs with the GIL: tensors are taken through DLPack, every
  * archive's head and tail is built and the whole layout is fixed, so the
  * caller can build DCP metadata while the data is still being written.
- * Worker threads then see only the plain structs below.  Small records are
- * written with pwritev straight from tensor memory (batched, no bounce copy);
- * large tensors stream in chunks, each CRC'd just before it is written, so
- * the bytes are read from memory once for the CRC while still cache-hot for
- * the kernel's copy.  Non-contiguous tensors are gathered chunk by chunk.
+ * Worker threads then see only the plain structs below.
+ *
+ * The CRC recorded for a tensor must be of exactly the bytes written, even
+ * if another thread changes the tensor meanwhile (training goes on during a
+ * synchronous save; torch.save gives torn values then, but a checkpoint
+ * that loads).  So tensor bytes are never written from tensor memory: they
+ * are read once, by a fused copy + CRC (dcpx_crc32_copy) into a small
+ * cache-resident buffer of the file's own, and written from there.  Small
+ * records are packed into that arena and written with pwritev (batched);
+ * large tensors stream through it in BOUNCE-sized pieces, their head (with
+ * the CRC) written last.  Non-contiguous tensors are gathered chunk by chunk
+ * and CRC'd from the gathered copy.
  */
 #include "dcpx.h"
 
@@ -34,6 +41,8 @@
 #define SMALL ((uint64_t)1 << 20)      /* tensors up to this go via pwritev */
 #define BATCH_BYTES ((size_t)16 << 20)
 #define BATCH_IOV 1020                 /* < IOV_MAX (1024) */
+#define BOUNCE ((size_t)256 << 10)     /* large tensors: copy+CRC+pwrite unit */
+#define ARENA ((size_t)2 << 20)        /* >= SMALL and >= BOUNCE */
 
 typedef struct {
     int is_tensor;
@@ -83,8 +92,8 @@ typedef struct {
     struct iovec iov[BATCH_IOV + 4];
     int niov;
     size_t bytes;
-    void *to_free[BATCH_IOV + 4];
-    int nfree;
+    size_t arena_used;     /* bytes of `arena` the batch's iovecs point into */
+    char arena[ARENA];     /* the copies the batch writes, CRC'd as copied */
 } batch_t;
 
 static int pwrite_all(int fd, const char *p, size_t n, uint64_t off)
@@ -138,9 +147,7 @@ static int batch_flush(batch_t *b)
             iov->iov_len -= (size_t)w;
         }
     }
-    for (int i = 0; i < b->nfree; i++)
-        free(b->to_free[i]);
-    b->nfree = 0;
+    b->arena_used = 0;
     b->pos = off;
     b->niov = 0;
     b->bytes = 0;
@@ -179,7 +186,9 @@ static void write_behind(int fd, uint64_t off, size_t n)
 #endif
 }
 
-/* Stream one large tensor: data first (CRC per chunk), then its head. */
+/* Stream one large tensor: data first (CRC per chunk), then its head.  A
+ * contiguous tensor goes through the (flushed, so free) arena BOUNCE bytes
+ * at a time: copied and CRC'd in one read, written from the copy. */
 static int write_large(WriteJob *job, batch_t *b, witem *it)
 {
     const dcpx_view *v = &it->view;
@@ -202,12 +211,17 @@ static int write_large(WriteJob *job, batch_t *b, witem *it)
         }
         if (bounce) {
             dcpx_view_gather(v, done, n, bounce);
-            src = bounce;
+            crc = dcpx_crc32(crc, bounce, n);
+            if (pwrite_all(b->fd, bounce, n, data_off + done) < 0) {
+                free(bounce);
+                return -1;
+            }
         }
-        crc = dcpx_crc32(crc, src, n);
-        if (pwrite_all(b->fd, src, n, data_off + done) < 0) {
-            free(bounce);
-            return -1;
+        for (size_t at = 0; !bounce && at < n; at += BOUNCE) {
+            size_t m = n - at < BOUNCE ? n - at : BOUNCE;
+            crc = dcpx_crc32_copy(crc, b->arena, src + at, m);
+            if (pwrite_all(b->fd, b->arena, m, data_off + done + at) < 0)
+                return -1;
         }
         if (job->sync)
             write_behind(b->fd, data_off + done, n);
@@ -222,22 +236,28 @@ static int write_large(WriteJob *job, batch_t *b, witem *it)
     return 0;
 }
 
+/* A small tensor is copied (gathered) into the arena and CRC'd from there,
+ * in the same pass; the batch writes the copy. */
 static int write_small(batch_t *b, witem *it)
 {
     const dcpx_view *v = &it->view;
-    const char *src = v->data;
+    char *dst;
+    uint32_t crc;
 
-    if (!v->contiguous && v->nbytes) {
-        char *tmp = malloc(v->nbytes);
-        if (tmp == NULL)
-            return -1;
-        dcpx_view_gather(v, 0, v->nbytes, tmp);
-        b->to_free[b->nfree++] = tmp;
-        src = tmp;
+    if (b->arena_used + v->nbytes > ARENA && batch_flush(b) < 0)
+        return -1;
+    dst = b->arena + b->arena_used;
+    if (v->contiguous) {
+        crc = dcpx_crc32_copy(0, dst, v->data, (size_t)v->nbytes);
     }
-    dcpx_archive_patch_crc(&it->arc, dcpx_crc32(0, src, v->nbytes));
+    else {
+        dcpx_view_gather(v, 0, v->nbytes, dst);
+        crc = dcpx_crc32(0, dst, (size_t)v->nbytes);
+    }
+    b->arena_used += ((size_t)v->nbytes + DCPX_ALIGN - 1) / DCPX_ALIGN * DCPX_ALIGN;
+    dcpx_archive_patch_crc(&it->arc, crc);
     batch_add(b, it->arc.head, it->arc.head_len);
-    batch_add(b, src, v->nbytes);
+    batch_add(b, dst, v->nbytes);
     batch_add(b, it->arc.tail, it->arc.tail_len);
     return 0;
 }
@@ -252,7 +272,8 @@ static int write_file(WriteJob *job, wfile *f)
         f->what = "allocate";
         return -1;
     }
-    b->niov = b->nfree = 0;
+    b->niov = 0;
+    b->arena_used = 0;
     b->pos = 0;
     b->bytes = 0;
     b->fd = dcpx_create_fresh(f->path); /* never through a link or FIFO */
@@ -294,8 +315,6 @@ static int write_file(WriteJob *job, wfile *f)
 out:
     if (rc < 0)
         f->err = errno ? errno : EIO;
-    for (int i = 0; i < b->nfree; i++)
-        free(b->to_free[i]);
     if (b->fd >= 0 && close(b->fd) < 0 && rc == 0) {
         f->err = errno;
         f->what = "close";

@@ -43,7 +43,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .filesystem import FileSystemReader, FileSystemWriter
-from .staging import DefaultStager, StagingOptions
+from .staging import DefaultStager, StagingOptions, release_staging_buffers
 from ._compat import load_state_dict, save_state_dict, torch_public_names
 # (fsspec storage: dcpx's own FsspecWriter / FsspecReader are imported here
 # when it has them; until then the loop below takes torch's where the
@@ -59,6 +59,7 @@ __all__ = [
     "AsyncSaveResponse",
     "DefaultStager",
     "StagingOptions",
+    "release_staging_buffers",
     "FileSystemWriter",
     "FileSystemReader",
     "Stateful",

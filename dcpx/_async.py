@@ -13,7 +13,9 @@ Timeline of one call (docs/design.md has the picture)::
 * In-flight policy: a stager's buffer belongs to the upload of what was
   staged into it.  A second ``async_save`` with the same stager first waits
   (inside ``stage()``) for that upload, then reuses the buffer.  Saves with
-  different stagers (or the default, per-call stager) queue their uploads.
+  different stagers queue their uploads.  Calls without a stager use stagers
+  that dcpx keeps across calls (``staging._StagerPool``): a second buffer
+  while the previous upload still runs, at most two per kind.
 * At interpreter exit the upload thread finishes the queued saves (it is a
   non-daemon executor thread).  A process killed before a save's commit
   leaves no ``.metadata`` for it (or the previous one, untouched): never a
@@ -45,7 +47,7 @@ from ._api import (
 from ._dtypes import dlpack_export, dlpack_view, storage_type_name
 from .errors import checkpoint_future
 from .filesystem import FileSystemWriter
-from .staging import DefaultStager, StagingOptions
+from .staging import DefaultStager, _pool as _staging_pool
 
 try:  # the classes users may isinstance-check against
     from torch.distributed.checkpoint.state_dict_saver import (
@@ -190,12 +192,11 @@ def async_save(
         # upload thread: as in torch, a coordination failure is reported on
         # the upload future, never raised here.
         process_group = _dist.async_group(process_group)
-    owned = None
     if async_stager is None:
         if hasattr(writer, "stage") and not isinstance(writer, FileSystemWriter):
             async_stager = writer  # torch's writers are their own stager
-        else:  # per call, as torch's; shared memory lets a PROCESS upload map it
-            async_stager = owned = DefaultStager(StagingOptions(False, process, False, False))
+        else:  # kept across calls (staging._StagerPool); shared memory for PROCESS
+            async_stager = _staging_pool.acquire(process)
     try:
         flat_sd = _stateful_to_state_dict(state_dict)
         try:
@@ -216,8 +217,6 @@ def async_save(
     upload = checkpoint_future(upload)  # failures are torch CheckpointExceptions
     if isinstance(async_stager, DefaultStager):
         async_stager.lease_to(upload)
-    if owned is not None:
-        upload.add_done_callback(lambda _: owned.close())
 
     if isinstance(staged, Future):
         staging_done: Future = Future()

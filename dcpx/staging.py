@@ -53,7 +53,7 @@ try:
 except ImportError:  # pragma: no cover - torch without DTensor
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["StagingOptions", "DefaultStager"]
+__all__ = ["StagingOptions", "DefaultStager", "release_staging_buffers"]
 
 _PAGE = mmap.PAGESIZE
 _ALIGN = 64
@@ -414,3 +414,162 @@ if hasattr(os, "register_at_fork"):
 # At interpreter exit: unregister what is still page-locked, destroy dcpx's
 # streams, release the primary contexts (a no-op where CUDA was never used).
 atexit.register(_C.cuda_release_all)
+
+# ------------------------------------------------------------------ no stager given
+class _PooledStager(DefaultStager):
+    """A stager kept by ``_StagerPool`` for async_save calls without one."""
+
+    def __init__(self, pool: "_StagerPool", shared: bool) -> None:
+        super().__init__(StagingOptions(False, shared, False, False))
+        self._pool = pool
+        self._pool_reserved: Optional[int] = None  # thread id between acquire and lease
+        self._pool_tick = 0  # when last acquired
+
+    def stage(self, state_dict: dict, **kwargs: Any):
+        try:
+            return super().stage(state_dict, **kwargs)
+        except BaseException:
+            self._pool.unreserve(self)
+            raise
+
+    def lease_to(self, upload: Future) -> None:
+        super().lease_to(upload)
+        self._pool.leased(self, upload)
+
+
+class _StagerPool:
+    """The stagers of ``async_save`` calls that pass no stager (torchtitan's
+    ``dcp.async_save(sd, checkpoint_id=...)`` every N steps), kept across
+    calls so their buffers are reused instead of allocated and pre-faulted
+    on every call (docs/design.md, "Staging without a stager").
+
+    Per kind (THREAD: private memory; PROCESS: a memfd the checkpoint process
+    maps, known to it by serial) at most ``MAX`` stagers, each with at most
+    one buffer of the state dict's size:
+
+    * a call takes a stager whose upload is done (the most recently used
+      first), so nothing waits and nothing is allocated when the previous
+      save has finished;
+    * while the previous upload still reads its buffer, a second stager (a
+      second buffer) is used, so the call does not wait for that upload;
+    * with ``MAX`` uploads in flight, the call waits, inside ``stage()``, for
+      the oldest one, as a stager passed in would.
+
+    After each staging, pooled stagers holding another layout (keys, dtypes,
+    shapes) are released (at once, or when their upload finishes).
+    ``release_staging_buffers()`` and interpreter exit free them all.
+    """
+
+    MAX = 2
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stagers: dict = {False: [], True: []}  # use_shared_memory -> [stager]
+        self._ticks = itertools.count()
+
+    def acquire(self, shared: bool) -> _PooledStager:
+        me = threading.get_ident()
+        with self._lock:
+            pool = self._stagers[shared]
+            # Reserved: between acquire() and lease_to(), so that two threads
+            # calling async_save at once never stage into one buffer.  A
+            # reservation by this very thread is stale (its call failed
+            # before the lease, and a thread makes one call at a time).
+            mine = [s for s in pool if s._pool_reserved in (None, me)]
+            free = [s for s in mine if s._lease is None or s._lease.done()]
+            if free:
+                stager = max(free, key=lambda s: s._pool_tick)
+            elif len(pool) < self.MAX or not mine:
+                stager = _PooledStager(self, shared)
+                if len(pool) < self.MAX:
+                    pool.append(stager)
+                # else: MAX concurrent calls reserve every pooled stager;
+                # this one is closed after its upload, as torch's per-call one
+            else:  # stage() waits for the oldest upload
+                stager = min(mine, key=lambda s: s._pool_tick)
+            stager._pool_reserved = me
+            stager._pool_tick = next(self._ticks)
+            return stager
+
+    def leased(self, stager: _PooledStager, upload: Future) -> None:
+        """Called by ``lease_to``: the stager is the upload's until it is
+        done.  Retires the pooled stagers of another layout."""
+        with self._lock:
+            stager._pool_reserved = None
+            pool = self._stagers[stager._config.use_shared_memory]
+            if stager not in pool:  # an extra one (all pooled ones reserved)
+                upload.add_done_callback(lambda _: stager.close())
+                return
+            layout = stager._layout
+            signature = layout.signature if layout is not None else None
+            stale = [s for s in pool if s is not stager and s._pool_reserved is None
+                     and s._layout is not None and s._layout.signature != signature]
+            for s in stale:
+                pool.remove(s)
+        for s in stale:
+            _close_when_done(s)
+
+    def unreserve(self, stager: _PooledStager) -> None:
+        """stage() failed: the stager is free again."""
+        with self._lock:
+            if stager._pool_reserved == threading.get_ident():
+                stager._pool_reserved = None
+
+    def release(self, wait: bool = True) -> None:
+        """Free every pooled buffer; with ``wait``, after the uploads that
+        read them, else those still in use are freed when theirs finish."""
+        with self._lock:
+            stagers = self._stagers[False] + self._stagers[True]
+            self._stagers = {False: [], True: []}
+        for s in stagers:
+            if wait:
+                s.close()
+            else:
+                _close_when_done(s)
+
+    def stats(self) -> dict:
+        """For tests and benchmarks: stagers, buffers and bytes held,
+        allocations made, per kind."""
+        with self._lock:
+            return {("process" if shared else "thread"): {
+                "stagers": len(pool),
+                "buffers": sum(s._layout is not None for s in pool),
+                "bytes": sum(s.staged_bytes for s in pool),
+                "alloc_count": sum(s.alloc_count for s in pool)}
+                for shared, pool in self._stagers.items()}
+
+    def _after_fork_in_child(self) -> None:
+        """The stagers reset themselves (their buffers stay the parent's);
+        reservations were made by threads the child does not have."""
+        self._lock = threading.Lock()
+        for pool in self._stagers.values():
+            for s in pool:
+                s._pool_reserved = None
+
+
+def _close_when_done(stager: DefaultStager) -> None:
+    lease = stager._lease
+    if lease is None or lease.done():
+        stager.close()
+    else:
+        lease.add_done_callback(lambda _: stager.close())
+
+
+_pool = _StagerPool()
+
+
+def release_staging_buffers() -> None:
+    """Free the staging buffers that ``async_save`` keeps between calls made
+    without a stager (``async_stager=None``), after the uploads still reading
+    them.  The next such call allocates again.  Called at interpreter exit
+    too (without waiting for uploads still running)."""
+    _pool.release(wait=True)
+
+
+def _release_at_exit() -> None:
+    _pool.release(wait=False)
+
+
+atexit.register(_release_at_exit)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool._after_fork_in_child)

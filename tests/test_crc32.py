@@ -112,3 +112,26 @@ def test_property_matches_zlib(data, start, cut):
     cut = min(cut, len(data))
     a, b = data[:cut], data[cut:]
     assert _C.crc32_combine(_C.crc32(a), _C.crc32(b), len(b)) == zlib.crc32(data)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 3, 8, 15])
+def test_copy_every_length_matches_zlib_and_copies(offset):
+    """crc32_copy: the writer's fused copy + CRC, at every length around the
+    folded path's 64/16-byte steps, from unaligned sources into unaligned
+    destinations."""
+    view = memoryview(BUF)
+    for n in list(range(0, 300)) + [1000, 4095, 4096]:
+        src = view[offset:offset + n]
+        dst = bytearray(n + 8)
+        crc = _C.crc32_copy(memoryview(dst)[offset % 7:], src)
+        assert crc == zlib.crc32(src), f"offset {offset} length {n}"
+        assert dst[offset % 7:offset % 7 + n] == src, f"offset {offset} length {n}"
+
+
+def test_copy_large_with_running_value():
+    data = os.urandom((3 << 20) + 17)
+    dst = bytearray(len(data))
+    assert _C.crc32_copy(dst, data, 0x1234) == zlib.crc32(data, 0x1234)
+    assert dst == data
+    with pytest.raises(ValueError):
+        _C.crc32_copy(bytearray(3), b"1234")
