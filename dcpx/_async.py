@@ -30,7 +30,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _dist
+from . import _dist, _locks
 from ._api import (
     _dist_in_use,
     dist_path_eligible,
@@ -169,12 +169,22 @@ def async_save(
             async_stager = owned = DefaultStager(StagingOptions(False, process, False, False))
     staged = async_stager.stage(_stateful_to_state_dict(state_dict))
 
-    args = (staged, async_stager, writer, planner, process_group, no_dist, use_collectives)
-    if process:
-        from ._process import submit_process_upload
-        upload = submit_process_upload(*args)
-    else:
-        upload = _uploader().submit(_upload, *args)
+    # Saves into one directory run one at a time, in call order: the upload
+    # gets ``staged`` only once earlier saves into it have finished.
+    key = _locks.dir_key(writer)
+    turn = _locks.enter(key)
+    args = (_locks.gate(staged, turn), async_stager, writer, planner, process_group,
+            no_dist, use_collectives)
+    try:
+        if process:
+            from ._process import submit_process_upload
+            upload = submit_process_upload(*args)
+        else:
+            upload = _uploader().submit(_locks.run_holding, key, _upload, *args)
+    except BaseException:
+        _locks.finish(turn)
+        raise
+    upload.add_done_callback(lambda _: _locks.finish(turn))
     if isinstance(async_stager, DefaultStager):
         async_stager.lease_to(upload)
     if owned is not None:

@@ -260,7 +260,7 @@ def test_disk_full_during_resave(ckpt, gen, monkeypatch):
 
     fixed = uuid.UUID("12345678-0000-4000-8000-000000000000")
     monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: fixed)
-    doomed = os.path.join(ckpt, f"__0_{fixed.hex[:8]}_1.distcp")
+    doomed = os.path.join(ckpt, f"__0_{fixed.hex[:16]}_1.distcp")
     os.symlink("/dev/full", doomed)
     with pytest.raises(OSError) as ei:
         dcpx.save(state_v(2, gen), storage_writer=dcpx.FileSystemWriter(ckpt, thread_count=2))
