@@ -8,8 +8,10 @@ Timeline of one call (docs/design.md has the picture)::
     dcpx-upload       plan + metadata ── C writer threads (no GIL) ── commit ──► upload_completion
 
 * Uploads run one at a time, in call order, on one ``dcpx-upload`` thread
-  (THREAD) or in one long-lived checkpoint process (PROCESS).  Two saves
-  into the same directory therefore never interleave.
+  (THREAD) or in one long-lived checkpoint process (PROCESS).  Saves into
+  one directory (sync or async, any kind) run in call order: an upload gets
+  its state dict only after earlier saves into its directory finished
+  (dcpx/_locks.py).
 * In-flight policy: a stager's buffer belongs to the upload of what was
   staged into it.  A second ``async_save`` with the same stager first waits
   (inside ``stage()``) for that upload, then reuses the buffer.  Saves with

@@ -242,7 +242,7 @@ class FileLock:
         if self.fd >= 0:
             try:
                 self.release(unlink=False)
-            except OSError:
+            except Exception:  # noqa: BLE001 - also at interpreter exit
                 pass
 
 

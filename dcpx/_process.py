@@ -262,6 +262,8 @@ def _worker_main(conn) -> None:
         except BaseException as e:  # reported on the upload future
             try:
                 conn.send(("err", e))
+            except OSError:  # the parent is gone (an orphan): nobody to tell
+                return
             except Exception:  # an exception that does not pickle
                 conn.send(("err", RuntimeError(f"dcpx checkpoint process: {e!r}")))
 

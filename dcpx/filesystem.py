@@ -268,6 +268,12 @@ class FileSystemWriter(StorageWriter):
         # "do not commit" (the checkpoint process of a dead parent sets it).
         self._commit_check: Optional[Any] = None
 
+    def __getstate__(self) -> dict:
+        # A save's lock (a descriptor) and commit check stay in this process.
+        state = self.__dict__.copy()
+        state["_save_lock"] = state["_commit_check"] = None
+        return state
+
     # -- StorageWriter protocol ------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         self._release_tag()

@@ -8,8 +8,8 @@
 # Builds the extension with DCPX_SANITIZE=thread in a copy of the working
 # tree (never in place: a checkout's dcpx/_C*.so may be in use by other
 # runs), preloads libtsan (scripts/sanitizer_env.sh), then runs
-#   - tests/test_async.py, tests/test_staging.py, tests/test_roundtrip.py
-#     (override with DCPX_TSAN_TESTS; extra arguments go to pytest), and
+#   - tests/test_async.py, tests/test_staging.py, tests/test_roundtrip.py,
+#     tests/test_concurrent_saves.py (override with DCPX_TSAN_TESTS; extra arguments go to pytest), and
 #   - tests/thread_stress.py: 3 Python threads x 6 rounds of save (3 writer
 #     threads), async_save with background staging, loads (3 reader
 #     threads), copy_into (3 threads), cancelled and dropped write jobs.
@@ -21,6 +21,8 @@
 # os._exit while writer threads are not joined, on purpose; TSan reports a
 # thread leak when one of them had already finished, which is what that
 # exit does.
+# test_processes_saving_into_one_directory (tests/test_concurrent_saves.py)
+# is deselected for the same reason as tests/test_fork.py: it forks.
 # tests/test_fork.py is not run here: TSan does not support threads started
 # after a multi-threaded fork (die_after_fork), which is what it tests.
 #
@@ -73,8 +75,8 @@ start=$SECONDS
 set +e
 # shellcheck disable=SC2086
 tsan_python -m pytest -q -p no:cacheprovider \
-    ${DCPX_TSAN_TESTS:-tests/test_async.py tests/test_staging.py tests/test_roundtrip.py} \
-    -k "not test_exit_with_a_save_in_flight" "$@"
+    ${DCPX_TSAN_TESTS:-tests/test_async.py tests/test_staging.py tests/test_roundtrip.py tests/test_concurrent_saves.py} \
+    -k "not test_exit_with_a_save_in_flight and not test_processes_saving_into_one_directory" "$@"
 rc=$?
 # shellcheck disable=SC2086
 tsan_python tests/thread_stress.py ${DCPX_TSAN_STRESS:---workers 3 --rounds 6} || rc=1
