@@ -29,6 +29,7 @@ import sys
 import textwrap
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,7 @@ def upload_of(r):
 
 @pytest.fixture
 def rng(request):
-    seed = SEED + hash(request.node.name) % 1000
+    seed = SEED + zlib.crc32(request.node.name.encode()) % 1000
     print(f"DCPX_CONCURRENT_SEED base {SEED}, this test {seed}")
     return random.Random(seed)
 
@@ -271,6 +272,77 @@ def test_processes_saving_into_one_directory(tmp_path, rng):
         assert len(commits) == 15
         assert holds(d) == commits[-1][1], f"rep {rep}: not the last save to commit"
         assert_clean(d)
+
+
+def _group_saves(rank: int, world_size: int, d: str, log: str, n: int, seed: int) -> None:
+    """A rank of a 2-rank gloo group: ``n`` saves into ``d`` (each rank
+    writes part of every save under the coordinator's tag; the coordinator
+    commits)."""
+    r = random.Random(seed)
+    out = open(log, "a")
+
+    def record(ns, version):
+        out.write(f"{ns} {version}\n")
+        out.flush()
+
+    Path(d + f".started{rank}").touch()
+    for i in range(n):
+        v = 5000 + i
+        time.sleep(r.uniform(0, 0.02))
+        w = RecordingWriter(d, v, record, single_file_per_rank=r.random() < 0.5,
+                            sync_files=False)
+        if i % 2:
+            dcpx.save(state(v), storage_writer=w)
+        else:
+            dcpx.async_save(state(v), storage_writer=w).result(timeout=TIMEOUT)
+
+
+@pytest.mark.dist
+def test_process_group_and_another_process_saving_into_one_directory(tmp_path, rng):
+    """A 2-rank process group keeps saving into one directory while an
+    unrelated process (this one) does too: every save succeeds, the ranks of
+    one save never block each other on a lock, and the directory holds the
+    last save committed, complete."""
+    from dist_helpers import spawn
+    d = str(tmp_path / "ckpt")
+    log = str(tmp_path / "log")
+    done = threading.Event()
+    result: list = []
+
+    def group() -> None:
+        try:
+            spawn(_group_saves, 2, d, log, 8 * REPS, rng.randrange(1 << 30))
+        except BaseException as e:  # reported below
+            result.append(e)
+        finally:
+            done.set()
+
+    th = threading.Thread(target=group)
+    th.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not os.path.exists(d + ".started1") and not done.is_set():
+        assert time.monotonic() < deadline, "the group did not start"
+        time.sleep(0.01)
+    ours = 0
+
+    def record(ns, version):
+        with open(log, "a") as f:
+            f.write(f"{ns} {version}\n")
+
+    while not done.is_set():
+        v = 9000 + ours
+        time.sleep(rng.uniform(0, 0.02))
+        dcpx.save(state(v), storage_writer=RecordingWriter(
+            d, v, record, single_file_per_rank=rng.random() < 0.5, sync_files=False))
+        ours += 1
+    th.join(TIMEOUT)
+    if result:
+        raise result[0]
+    commits = sorted((int(a), int(b)) for a, b in (line.split() for line in open(log)))
+    assert len(commits) == 8 * REPS + ours
+    print(f"group saves {8 * REPS}, this process's {ours}")
+    assert holds(d) == commits[-1][1]
+    assert_clean(d)
 
 
 # --------------------------------------------------------------------------
