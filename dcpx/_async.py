@@ -174,18 +174,19 @@ def async_save(
     # Saves into one directory run one at a time, in call order: the upload
     # gets ``staged`` only once earlier saves into it have finished.
     key = _locks.dir_key(writer)
-    turn = _locks.enter(key)
-    args = (_locks.gate(staged, turn), async_stager, writer, planner, process_group,
-            no_dist, use_collectives)
-    try:
-        if process:
-            from ._process import submit_process_upload
-            upload = submit_process_upload(*args)
-        else:
-            upload = _uploader().submit(_locks.run_holding, key, _upload, *args)
-    except BaseException:
-        _locks.finish(turn)
-        raise
+    with _locks.submitting():
+        turn = _locks.enter(key)
+        args = (_locks.gate(staged, turn), async_stager, writer, planner, process_group,
+                no_dist, use_collectives)
+        try:
+            if process:
+                from ._process import submit_process_upload
+                upload = submit_process_upload(*args)
+            else:
+                upload = _uploader().submit(_locks.run_holding, key, _upload, *args)
+        except BaseException:
+            _locks.finish(turn)
+            raise
     upload.add_done_callback(lambda _: _locks.finish(turn))
     if isinstance(async_stager, DefaultStager):
         async_stager.lease_to(upload)

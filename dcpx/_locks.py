@@ -61,6 +61,17 @@ class Ticket:
 _cond = threading.Condition()
 _queues: dict[str, list[Ticket]] = {}
 _held = threading.local()
+# Held by async_save from taking a turn to queueing its upload, so that each
+# upload executor's queue is in turn order (else two threads' uploads could
+# each wait for the other's turn on one executor thread).
+_submit = threading.Lock()
+
+
+@contextlib.contextmanager
+def submitting() -> Iterator[None]:
+    lock = _submit
+    with lock:
+        yield
 
 
 def dir_key(writer: Any) -> Optional[str]:
@@ -323,10 +334,11 @@ def _after_fork_in_child() -> None:
     will never finish here, and the lock files the parent holds are the
     parent's (flock locks are shared by inherited descriptors: closing the
     child's copies leaves the parent's locks in place)."""
-    global _cond, _queues, _held
+    global _cond, _queues, _held, _submit
     _cond = threading.Condition()
     _queues = {}
     _held = threading.local()
+    _submit = threading.Lock()
     for lk in list(_live_locks):
         if lk.fd >= 0:
             fd, lk.fd = lk.fd, -1

@@ -159,6 +159,39 @@ def test_async_save_after_async_save_commits_in_call_order(tmp_path, rng, first,
         stagers[1].close()
 
 
+def test_async_saves_from_two_threads_do_not_wait_for_each_other_forever(tmp_path, monkeypatch):
+    """Regression: thread A takes its turn for D, thread B takes the next one
+    and queues its upload first; the one upload thread would then run B's
+    upload, which waits for A's turn, while A's upload is queued behind it.
+    Taking the turn and queueing the upload are one step."""
+    import dcpx._locks
+    real = dcpx._locks.gate
+
+    def slow_gate(staged, turn):
+        if threading.current_thread().name == "A":
+            time.sleep(0.3)  # between A's turn and A's upload being queued
+        return real(staged, turn)
+
+    monkeypatch.setattr(dcpx._locks, "gate", slow_gate)
+    d = tmp_path / "ckpt"
+    futures = {}
+
+    def save(name: str, v: int) -> None:
+        futures[name] = dcpx.async_save(state(v), checkpoint_id=d)
+
+    a = threading.Thread(target=save, args=("A", 1), name="A")
+    a.start()
+    time.sleep(0.1)
+    b = threading.Thread(target=save, args=("B", 2), name="B")
+    b.start()
+    a.join(TIMEOUT)
+    b.join(TIMEOUT)
+    futures["A"].result(timeout=30)
+    futures["B"].result(timeout=30)
+    assert holds(d) == 2
+    assert_clean(d)
+
+
 class RecordingWriter(dcpx.FileSystemWriter):
     """Appends ``(CLOCK_MONOTONIC ns, version)`` to ``log`` right after its
     ``.metadata`` rename, inside the commit (under the commit lock, so the
