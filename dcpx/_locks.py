@@ -240,7 +240,7 @@ class FileLock:
             if unlink:
                 try:
                     os.unlink(self.path)
-                except FileNotFoundError:
+                except OSError:  # gone already, or not ours to remove (sticky dir)
                     pass
         finally:
             fd, self.fd = self.fd, -1
@@ -257,6 +257,15 @@ class FileLock:
                 pass
 
 
+def _open(path: Path, flags: int) -> int:
+    """Open read-write, or read-only for a lock file another user left
+    (flock needs no write access on a local file system)."""
+    try:
+        return os.open(path, flags, 0o644)
+    except PermissionError:
+        return os.open(path, (flags & ~os.O_RDWR) | os.O_RDONLY, 0o644)
+
+
 def lock_file(path: Path, shared: bool, create_new: bool = False) -> Optional[FileLock]:
     """Lock ``path`` (created if missing), blocking.  None when
     ``create_new`` and the file was taken over by a cleanup before it was
@@ -266,7 +275,7 @@ def lock_file(path: Path, shared: bool, create_new: bool = False) -> Optional[Fi
     if create_new:
         flags |= os.O_EXCL
     while True:
-        fd = os.open(path, flags, 0o644)
+        fd = _open(path, flags)
         try:
             locked = _flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             st = os.fstat(fd)
@@ -316,7 +325,7 @@ def probe(path: Path) -> tuple[bool, Optional[FileLock]]:
     A dead one is returned held exclusively, for the caller to remove once
     it has removed that save's files."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = _open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return True, None
     except OSError:
