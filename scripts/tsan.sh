@@ -21,8 +21,12 @@
 # os._exit while writer threads are not joined, on purpose; TSan reports a
 # thread leak when one of them had already finished, which is what that
 # exit does.
-# test_processes_saving_into_one_directory (tests/test_concurrent_saves.py)
-# is deselected for the same reason as tests/test_fork.py: it forks.
+# From tests/test_concurrent_saves.py: test_processes_saving_into_one_directory
+# (it forks: see tests/test_fork.py below) and
+# test_process_group_and_another_process_saving_into_one_directory (its gloo
+# ranks report races inside torch's own c10d work objects,
+# AsyncBroadcastWork::~AsyncBroadcastWork and the like, no dcpx frame; the
+# multi-process tests are not run under TSan).
 # tests/test_fork.py is not run here: TSan does not support threads started
 # after a multi-threaded fork (die_after_fork), which is what it tests.
 #
@@ -76,7 +80,7 @@ set +e
 # shellcheck disable=SC2086
 tsan_python -m pytest -q -p no:cacheprovider \
     ${DCPX_TSAN_TESTS:-tests/test_async.py tests/test_staging.py tests/test_roundtrip.py tests/test_concurrent_saves.py} \
-    -k "not test_exit_with_a_save_in_flight and not test_processes_saving_into_one_directory" "$@"
+    -k "not test_exit_with_a_save_in_flight and not test_processes_saving_into_one_directory and not test_process_group_and_another_process" "$@"
 rc=$?
 # shellcheck disable=SC2086
 tsan_python tests/thread_stress.py ${DCPX_TSAN_STRESS:---workers 3 --rounds 6} || rc=1
