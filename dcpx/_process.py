@@ -15,9 +15,11 @@ sent over the pipe by value.
 from __future__ import annotations
 
 import atexit
+import errno
 import mmap
 import multiprocessing as mp
 import os
+import sys
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -231,7 +233,10 @@ def _worker_main(conn) -> None:
     parent = os.getppid()
     buffers: dict[int, torch.Tensor] = {}
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent died (an orphan with nothing to do)
+            return
         kind = msg[0]
         if kind == "exit":
             return
@@ -262,7 +267,9 @@ def _worker_main(conn) -> None:
         except BaseException as e:  # reported on the upload future
             try:
                 conn.send(("err", e))
-            except OSError:  # the parent is gone (an orphan): nobody to tell
+            except OSError:  # the parent is gone (an orphan): say it on stderr
+                if not isinstance(e, OSError) or e.errno != errno.EPIPE:
+                    print(f"dcpx checkpoint process: {e}", file=sys.stderr, flush=True)
                 return
             except Exception:  # an exception that does not pickle
                 conn.send(("err", RuntimeError(f"dcpx checkpoint process: {e!r}")))

@@ -392,7 +392,8 @@ _ORPHAN_PARENT = textwrap.dedent("""
     dcpx.async_save({"w": torch.ones(3)}, checkpoint_id=d + ".warm",
                     async_checkpointer_type=PROCESS).result(timeout=120)
     print(json.dumps({"worker": dcpx._process._worker.proc.pid}), flush=True)
-    big = state(7, tensors=48, numel=1 << 18)   # 48 MiB, a file per tensor, fsync'd
+    sys.stdin.readline()   # go
+    big = state(7, tensors=64, numel=1 << 18)   # 64 MiB, a file per tensor, fsync'd
     r = dcpx.async_save(big, storage_writer=dcpx.FileSystemWriter(
         d, single_file_per_rank=False, sync_files=True), async_checkpointer_type=PROCESS)
     print("submitted", flush=True)
@@ -424,15 +425,18 @@ def test_orphaned_checkpoint_process_does_not_commit_over_a_newer_save(tmp_path,
         dcpx.save(state(1), checkpoint_id=d)  # the checkpoint the job resumed from
         p = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, str(d),
                               str(TESTS)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "PYTHONPATH": str(DCPX_ROOT)})
         procs.append((d, p))
     outcomes = []
     try:
         for rep, (d, p) in enumerate(procs):
             worker = json.loads(p.stdout.readline())["worker"]
+            p.stdin.write("go\n")
+            p.stdin.flush()
             assert p.stdout.readline().strip() == "submitted", p.stderr.read()
-            time.sleep(rng.uniform(0, 0.3))
+            time.sleep(rng.uniform(0.02, 0.15))  # the upload takes 0.2 to 1 s here
             p.kill()  # the training process dies; its checkpoint process lives on
             p.wait(TIMEOUT)
             new = 100 + rep  # the restarted job's (small) save, done before the orphan's
