@@ -176,9 +176,9 @@ def async_save(
     key = _locks.dir_key(writer)
     with _locks.submitting():
         turn = _locks.enter(key)
-        args = (_locks.gate(staged, turn), async_stager, writer, planner, process_group,
-                no_dist, use_collectives)
         try:
+            args = (_locks.gate(staged, turn), async_stager, writer, planner, process_group,
+                    no_dist, use_collectives)
             if process:
                 from ._process import submit_process_upload
                 upload = submit_process_upload(*args)
