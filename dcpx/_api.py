@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _dist, _metadata
+from . import _dist, _locks, _metadata
 from ._gc import paused_gc
 from .errors import checkpoint_errors
 from .filesystem import (
@@ -184,16 +184,19 @@ def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
     """Plan, write and commit a flat single-process state dict.  The metadata
     is encoded while the C threads write; the GIL is released while they
     finish."""
-    with paused_gc():
-        metadata, pending = plan_local_save(writer, flat, mappings, prepare)
-        pending.start()
-        try:
-            data = writer.encode_metadata(metadata)
-        except BaseException:
-            pending.abort()
-            raise
-    pending.wait()
-    writer.commit(metadata, data)
+    try:
+        with paused_gc():
+            metadata, pending = plan_local_save(writer, flat, mappings, prepare)
+            pending.start()
+            try:
+                data = writer.encode_metadata(metadata)
+            except BaseException:
+                pending.abort()
+                raise
+        pending.wait()
+        writer.commit(metadata, data)
+    finally:
+        writer._release_tag()  # a failed save's lock (commit releases its own)
     return metadata
 
 
@@ -244,20 +247,23 @@ def save(
     if not isinstance(state_dict, dict):
         raise TypeError(f"dcpx.save: state_dict must be a dict, got {type(state_dict).__name__}")
     writer = _writer_for(storage_writer, checkpoint_id)
-    with paused_gc():
-        fast = fast_path_state(state_dict, writer, planner, no_dist)
-    if fast is not None:
-        return save_local(writer, *fast)
-    with paused_gc():
-        sharded = dist_path_state(state_dict, writer, planner, no_dist)
-    if sharded is not None:
-        return _dist.save(writer, *sharded, group=process_group,
-                          use_collectives=use_collectives)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        return _torch_save(state_dict, storage_writer=writer, planner=planner,
-                           process_group=process_group, no_dist=no_dist,
-                           **_torch_kwargs(_torch_save, use_collectives=use_collectives))
+    # Saves into one directory run one at a time, in call order: this one
+    # starts once earlier ones (an async_save's upload) have finished.
+    with _locks.turn(writer):
+        with paused_gc():
+            fast = fast_path_state(state_dict, writer, planner, no_dist)
+        if fast is not None:
+            return save_local(writer, *fast)
+        with paused_gc():
+            sharded = dist_path_state(state_dict, writer, planner, no_dist)
+        if sharded is not None:
+            return _dist.save(writer, *sharded, group=process_group,
+                              use_collectives=use_collectives)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            return _torch_save(state_dict, storage_writer=writer, planner=planner,
+                               process_group=process_group, no_dist=no_dist,
+                               **_torch_kwargs(_torch_save, use_collectives=use_collectives))
 
 
 # --------------------------------------------------------------------- load

@@ -8,8 +8,10 @@ Timeline of one call (docs/design.md has the picture)::
     dcpx-upload       plan + metadata ── C writer threads (no GIL) ── commit ──► upload_completion
 
 * Uploads run one at a time, in call order, on one ``dcpx-upload`` thread
-  (THREAD) or in one long-lived checkpoint process (PROCESS).  Two saves
-  into the same directory therefore never interleave.
+  (THREAD) or in one long-lived checkpoint process (PROCESS).  Saves into
+  one directory (sync or async, any kind) run in call order: an upload gets
+  its state dict only after earlier saves into its directory finished
+  (dcpx/_locks.py).
 * In-flight policy: a stager's buffer belongs to the upload of what was
   staged into it.  A second ``async_save`` with the same stager first waits
   (inside ``stage()``) for that upload, then reuses the buffer.  Saves with
@@ -32,7 +34,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _dist
+from . import _dist, _locks
 from ._api import (
     _dist_in_use,
     dist_path_eligible,
@@ -204,12 +206,23 @@ def async_save(
         except Exception as e:
             raise _staging_failed(e, writer)
 
-        args = (staged, async_stager, writer, planner, process_group, no_dist, use_collectives)
-        if process:
-            from ._process import submit_process_upload
-            upload = submit_process_upload(*args)
-        else:
-            upload = _uploader().submit(_upload, *args)
+        # Saves into one directory run one at a time, in call order: the upload
+        # gets ``staged`` only once earlier saves into it have finished.
+        key = _locks.dir_key(writer)
+        with _locks.submitting():
+            turn = _locks.enter(key)
+            try:
+                args = (_locks.gate(staged, turn), async_stager, writer, planner, process_group,
+                        no_dist, use_collectives)
+                if process:
+                    from ._process import submit_process_upload
+                    upload = submit_process_upload(*args)
+                else:
+                    upload = _uploader().submit(_locks.run_holding, key, _upload, *args)
+            except BaseException:
+                _locks.finish(turn)
+                raise
+        upload.add_done_callback(lambda _: _locks.finish(turn))
     except BaseException:
         if isinstance(process_group, _dist.AsyncTicket):
             process_group.abandon()  # no upload: this save counts as failed here

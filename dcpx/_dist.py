@@ -567,8 +567,11 @@ def save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     ``prepare(tensor, key)`` makes an item's payload, ``write(writer,
     prefix, entries)`` writes this rank's entries (the checkpoint process
     passes its own)."""
-    with paused_gc():  # ~10 objects per tensor: see dcpx/_gc.py
-        return _save(writer, flat, mappings, group, use_collectives, prepare, write)
+    try:
+        with paused_gc():  # ~10 objects per tensor: see dcpx/_gc.py
+            return _save(writer, flat, mappings, group, use_collectives, prepare, write)
+    finally:
+        writer._release_tag()  # the coordinator's, if the save failed before its commit
 
 
 def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,

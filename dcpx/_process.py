@@ -19,9 +19,11 @@ writer's ``write_data`` runs there, ``run_torch_dist``).
 from __future__ import annotations
 
 import atexit
+import errno
 import mmap
 import multiprocessing as mp
 import os
+import sys
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -76,6 +78,9 @@ class _Worker:
                 raise _staging_failed(e, writer)
         layout = stager.shared_layout_of(staged) if isinstance(stager, DefaultStager) else None
         config = _writer_config(writer)
+        # What the directory holds now: should this process die, the
+        # checkpoint process commits only over this (_orphan_check).
+        config["committed"] = writer._committed_id()
         if layout is None:
             self.conn.send(("values", config, staged))
         else:
@@ -355,12 +360,37 @@ def _shutdown() -> None:
 
 # ------------------------------------------------------------------ worker
 
+def _orphan_check(parent: int, committed: Optional[tuple], writer) -> Optional[str]:
+    """Why a save must not be committed: the process that handed it over
+    has died and the directory was saved into since (by the restarted job,
+    say), so committing would replace a newer checkpoint with an older one."""
+    if os.getppid() == parent or writer._committed_id() == committed:
+        return None
+    return (f"dcpx: {writer.path}: not committed: the process that started this save "
+            f"(pid {parent}) has exited and a newer checkpoint was committed there since; "
+            f"it is kept")
+
+
+def _writer_from(config: dict, parent: int):
+    """The FileSystemWriter a request describes."""
+    from .filesystem import FileSystemWriter
+    config = dict(config)
+    committed = config.pop("committed", False)
+    writer = FileSystemWriter(**config)
+    if committed is not False:
+        writer._commit_check = lambda w: _orphan_check(parent, committed, w)
+    return writer
+
+
 def _worker_main(conn) -> None:
     from ._api import save
-    from .filesystem import FileSystemWriter
+    parent = os.getppid()
     buffers: dict[int, torch.Tensor] = {}
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent died (an orphan with nothing to do)
+            return
         kind = msg[0]
         if kind == "exit":
             return
@@ -374,25 +404,29 @@ def _worker_main(conn) -> None:
         try:
             if kind == "values":
                 _, config, staged = msg
-                result = save(staged, storage_writer=FileSystemWriter(**config))
+                result = save(staged, storage_writer=_writer_from(config, parent))
             elif kind in ("torch", "write_data"):  # any writer / planner
                 result = _torch_request(msg, buffers)
             elif kind == "write":  # one rank's entries of a multi-process save
                 _, config, number, prefix, tensors, others, live = msg
                 for gone in set(buffers) - set(live):
                     del buffers[gone]
-                result = _write_entries(FileSystemWriter(**config),
+                result = _write_entries(_writer_from(config, parent),
                                         buffers.get(number), prefix, tensors, others)
             else:
                 _, config, number, tensors, values, mappings, live = msg
                 for gone in set(buffers) - set(live):  # freed by the parent
                     del buffers[gone]
-                result = _save_views(FileSystemWriter(**config), buffers[number],
+                result = _save_views(_writer_from(config, parent), buffers[number],
                                      tensors, values, mappings)
             conn.send(("ok", result))
         except BaseException as e:  # reported on the upload future
             try:
                 conn.send(("err", e))
+            except OSError:  # the parent is gone (an orphan): say it on stderr
+                if not isinstance(e, OSError) or e.errno != errno.EPIPE:
+                    print(f"dcpx checkpoint process: {e}", file=sys.stderr, flush=True)
+                return
             except Exception:  # an exception that does not pickle
                 conn.send(("err", RuntimeError(f"dcpx checkpoint process: {e!r}")))
 

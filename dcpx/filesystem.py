@@ -7,14 +7,15 @@ groups, DTensor planners, resharding), and dcpx's single-process fast path
 
 Commit protocol (docs/format.md has the full argument):
 
-1. Data files are written under names no committed ``.metadata`` refers to:
-   ``__{rank}_{i}.distcp`` in a fresh directory, ``__{rank}_{tag}_{i}.distcp``
-   (``tag`` new per save) when a committed checkpoint is already there.
+1. Data files are written under names no other save uses:
+   ``__{rank}_{tag}_{i}.distcp``, ``tag`` new per save, its lock file
+   ``.dcpx.{tag}.lock`` held by the committing process meanwhile.
 2. Each data file is fsynced (``sync_files``), then the directory.
-3. ``.metadata`` is written to a temporary name, fsynced, and renamed over
-   the old one (atomic), then the directory is fsynced.
-4. Only then are data files that the new metadata does not reference
-   deleted.
+3. Under the directory's commit lock (``.dcpx.lock``), ``.metadata`` is
+   written to a temporary name, fsynced, and renamed over the old one
+   (atomic), then the directory is fsynced.
+4. Still under it, data files that the new metadata does not reference are
+   deleted, except those of saves still live (their lock is held).
 
 A crash before step 3 leaves the previous checkpoint (or none) intact; after
 it, the new one is complete.  There is never a ``.metadata`` that points at
@@ -54,7 +55,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _C, _metadata, _values
+from . import _C, _locks, _metadata, _values
 from ._dtypes import dlpack_export, dlpack_view, storage_type_name
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
@@ -63,6 +64,8 @@ __all__ = ["FileSystemWriter", "FileSystemReader"]
 DCP_VERSION = "1.0.0"
 _DATA_FILE = re.compile(r"^__\d+_.*\.distcp$")
 _TMP_METADATA = re.compile(r"^(__\d+)?\.metadata\.tmp")
+_TAGGED_DATA_FILE = re.compile(r"^__\d+_([0-9a-f]{16})_\d+\.distcp$")
+_SAVE_LOCK = re.compile(r"^\.dcpx\.([0-9a-f]{16})\.lock$")
 
 
 def _fsync_dir(path: Union[str, Path]) -> None:
@@ -366,9 +369,22 @@ class FileSystemWriter(StorageWriter):
         self.rank: Optional[int] = None
         self.is_coordinator = True
         self.use_collectives = True
+        # This save's tag and lock (dcpx/_locks.py), from the choice of its
+        # file names to the end of its commit.
+        self._save_lock: Optional[_locks.FileLock] = None
+        # Called under the commit lock before the rename: a message means
+        # "do not commit" (the checkpoint process of a dead parent sets it).
+        self._commit_check: Optional[Any] = None
+
+    def __getstate__(self) -> dict:
+        # A save's lock (a descriptor) and commit check stay in this process.
+        state = self.__dict__.copy()
+        state["_save_lock"] = state["_commit_check"] = None
+        return state
 
     # -- StorageWriter protocol ------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        self._release_tag()
         if checkpoint_id:
             self.path = local_path(checkpoint_id)
         self.save_id = str(uuid.uuid4())
@@ -458,12 +474,29 @@ class FileSystemWriter(StorageWriter):
                 f"Checkpoint already exists and self.overwrite={self.overwrite}: {self.path}")
 
     def _tag(self) -> str:
-        """'' in a directory without a committed checkpoint, else a fresh
-        tag so that no data file a committed .metadata refers to is touched."""
-        if (self.path / _metadata.METADATA_FN).exists() or any(
-                self.path.glob(f"__*{_metadata.METADATA_FN}")):
-            return uuid.uuid4().hex[:8]
-        return ""
+        """This save's tag: new per save, so that no data file another save
+        (committed or live) refers to is touched; its lock file is held
+        until the commit (or ``_release_tag``)."""
+        lk = self._save_lock
+        if lk is None or lk.fd < 0 or lk.path.parent != self.path:
+            self._release_tag()
+            self._save_lock = lk = _locks.claim_save(self.path)
+        return lk.tag
+
+    def _release_tag(self) -> None:
+        """The save is over (committed or failed): drop its lock."""
+        lk, self._save_lock = self._save_lock, None
+        if lk is not None:
+            lk.release()
+
+    def _committed_id(self) -> Optional[tuple]:
+        """Identity of the committed metadata file (None if there is none):
+        changes with every commit (a new inode is renamed in)."""
+        try:
+            st = os.stat(self._metadata_path())
+        except FileNotFoundError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
     def _prefix(self, rank: int, tag: Optional[str] = None) -> str:
         if tag is None:
@@ -492,38 +525,99 @@ class FileSystemWriter(StorageWriter):
         try:
             if self.sync_files:
                 _fsync_dir(self.path)  # the data files' directory entries
-            # O_EXCL: a fresh file, never through a link or into a FIFO
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+            with _locks.dir_lock(self.path):  # commits never interleave
+                refused = self._commit_check(self) if self._commit_check else None
+                if refused:
+                    self._discard_own()
+                    raise CheckpointError(refused)
+                try:
+                    # O_EXCL: a fresh file, never through a link or into a FIFO
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                 0o644)
+                    try:
+                        view = memoryview(data)
+                        while view:
+                            view = view[os.write(fd, view):]
+                        if self.sync_files:
+                            os.fsync(fd)
+                        ino = os.fstat(fd).st_ino
+                    finally:
+                        os.close(fd)
+                    os.replace(tmp, final)
+                except BaseException:
+                    try:
+                        os.unlink(tmp)
+                    except FileNotFoundError:
+                        pass
+                    raise
                 if self.sync_files:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        if self.sync_files:
-            _fsync_dir(self.path)
-        self._remove_unreferenced(metadata)
+                    _fsync_dir(self.path)
+                self._remove_unreferenced(metadata, ino)
+                # Still under the commit lock: the next commit's cleanup
+                # finds this save finished and may remove its files once
+                # they are superseded.
+                self._release_tag()
+        finally:
+            self._release_tag()
 
-    def _remove_unreferenced(self, metadata: Metadata) -> None:
-        keep = {si.relative_path for si in metadata.storage_data.values()}
-        own = f"__{self.rank}_" if (self.rank is not None and not self.use_collectives) else "__"
+    def _discard_own(self) -> None:
+        """Remove every data file of this save (all ranks'): it will not be
+        committed."""
+        if self._save_lock is None:
+            return
         for name in os.listdir(self.path):
-            stale_data = _DATA_FILE.match(name) and name.startswith(own) and name not in keep
-            if stale_data or (_TMP_METADATA.match(name) and self.save_id not in name
-                              and own == "__"):
+            m = _TAGGED_DATA_FILE.match(name)
+            if m and m.group(1) == self._save_lock.tag:
                 try:
                     os.unlink(self.path / name)
                 except FileNotFoundError:
                     pass
+
+    def _remove_unreferenced(self, metadata: Metadata, ino: Optional[int] = None) -> None:
+        """Delete data files the new metadata does not reference, except
+        those of saves that may still be live (docs/reliability.md,
+        "Concurrent saves into one directory"), and stale temporary
+        metadata.  Runs under the commit lock."""
+        if ino is not None:
+            try:
+                if os.stat(self._metadata_path()).st_ino != ino:
+                    return  # another commit won (only without working locks)
+            except FileNotFoundError:
+                return
+        keep = {si.relative_path for si in metadata.storage_data.values()}
+        own = f"__{self.rank}_" if (self.rank is not None and not self.use_collectives) else "__"
+        mine = self._save_lock.tag if self._save_lock is not None else None
+        dead: dict[str, bool] = {}
+        held: list = []
+
+        def is_dead(tag: str) -> bool:
+            if tag not in dead:
+                dead[tag], lk = _locks.probe(self.path / _locks.save_lock_name(tag))
+                if lk is not None:
+                    held.append(lk)
+            return dead[tag]
+
+        try:
+            names = os.listdir(self.path)
+            for name in names:
+                stale_data = _DATA_FILE.match(name) and name.startswith(own) and name not in keep
+                if stale_data:
+                    m = _TAGGED_DATA_FILE.match(name)
+                    if m and m.group(1) != mine and not is_dead(m.group(1)):
+                        continue  # a live save's file
+                if stale_data or (_TMP_METADATA.match(name) and self.save_id not in name
+                                  and own == "__"):
+                    try:
+                        os.unlink(self.path / name)
+                    except FileNotFoundError:
+                        pass
+            for name in names:  # locks of saves that died before writing
+                m = _SAVE_LOCK.match(name)
+                if m and m.group(1) != mine:
+                    is_dead(m.group(1))
+        finally:
+            for lk in held:  # removes the dead saves' lock files
+                lk.release()
 
 
 def check_zip_crcs(raw: bytes, where: str) -> None:

@@ -697,8 +697,9 @@ def test_real_disk_full_fails_the_upload_with_efbig_naming_the_data_file(tmp_pat
     assert res["staging"] == "None"  # staging succeeded; the upload failed
     # an OSError that is also torch's CheckpointException (dcpx.errors)
     assert res["type"] == "CheckpointOSError" and res["errno"] == errno.EFBIG, res
-    data_file = tmp_path / "full" / "__0_0.distcp"
-    assert res["filename"] == str(data_file), res
+    data_file = Path(res["filename"])  # __0_<tag>_0.distcp (docs/format.md)
+    assert data_file.parent == tmp_path / "full", res
+    assert data_file.name.startswith("__0_") and data_file.name.endswith("_0.distcp"), res
     assert str(data_file) in res["message"]
     assert res["left"] == [], "a failed save left files behind"
     assert res["before"] == res["after"], "staging memory changed after the failure"

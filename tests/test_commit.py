@@ -276,7 +276,7 @@ def test_write_error_during_resave(ckpt, gen, monkeypatch):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old_handler)
     assert ei.value.errno == errno.EFBIG
-    assert re.fullmatch(re.escape(os.path.join(ckpt, f"__0_{fixed.hex[:8]}_")) + r"\d\.distcp",
+    assert re.fullmatch(re.escape(os.path.join(ckpt, f"__0_{fixed.hex[:16]}_")) + r"\d\.distcp",
                         ei.value.filename), ei.value.filename
     assert ei.value.filename in str(ei.value)
     monkeypatch.undo()
