@@ -480,6 +480,10 @@ class FileSystemWriter(StorageWriter):
         lk = self._save_lock
         if lk is None or lk.fd < 0 or lk.path.parent != self.path:
             self._release_tag()
+            # The lock file lives in the directory.  Callers take the tag only
+            # once the ranks agree on the path (docs/design.md, "Every rank
+            # must name the same directory"), so making it here is in order.
+            _check_dir(self.path, create=True)
             self._save_lock = lk = _locks.claim_save(self.path)
         return lk.tag
 

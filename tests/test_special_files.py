@@ -32,6 +32,9 @@ from dcpx.__main__ import main as cli
 from conftest import assert_state_bit_equal, data_files, empty_like_state, make_tensor
 
 HANG = 60.0  # seconds: a guard against hanging, never a timing assertion
+#: a save's tag when uuid4 is fixed to _FIXED (tags are uuid4().hex[:16])
+_FIXED = uuid.UUID("12345678-0000-4000-8000-000000000000")
+_TAG = _FIXED.hex[:16]
 
 
 def state(seed: int = 0) -> dict:
@@ -241,18 +244,17 @@ def test_save_replaces_a_link_or_fifo_where_it_writes_a_data_file(tmp_path, kind
     ckpt = tmp_path / "ckpt"
     outside = tmp_path / "outside"
     outside.mkdir()
-    tag = ""
     if not fresh:
         dcpx.save(state(1), checkpoint_id=ckpt)
-        fixed = uuid.UUID("12345678-0000-4000-8000-000000000000")
-        tag = fixed.hex[:8] + "_"
     else:
         ckpt.mkdir()
-    names = [ckpt / f"__0_{tag}{i}.distcp" for i in range(2)]
+    # Every save's data files carry its tag (docs/format.md): fix the save's
+    # tag so that its names are known.
+    fixed = uuid.UUID("12345678-0000-4000-8000-000000000000")
+    names = [ckpt / f"__0_{_TAG}_{i}.distcp" for i in range(2)]
     targets = [_plant(n, kind, outside) for n in names]
     sd = state(4)
-    if not fresh:  # the re-save's tag, so that its names are known
-        monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: fixed)
+    monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: fixed)
     writer = dcpx.FileSystemWriter(ckpt, thread_count=2)
     no_hang(lambda: dcpx.save(sd, storage_writer=writer), *names)
     monkeypatch.undo()
@@ -264,25 +266,30 @@ def test_save_replaces_a_link_or_fifo_where_it_writes_a_data_file(tmp_path, kind
     assert_state_bit_equal(load(ckpt, sd), sd)
 
 
-def test_async_save_does_not_write_through_a_link(tmp_path):
+def test_async_save_does_not_write_through_a_link(tmp_path, monkeypatch):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     outside = tmp_path / "outside"
     outside.mkdir()
-    target = _plant(ckpt / "__0_0.distcp", "symlink", outside)
+    target = _plant(ckpt / f"__0_{_TAG}_0.distcp", "symlink", outside)
     sd = state(5)
+    monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: _FIXED)
     dcpx.async_save(sd, checkpoint_id=ckpt).result(timeout=HANG)
+    monkeypatch.undo()
     assert target.read_bytes() == b"not yours to overwrite"
     assert_state_bit_equal(load(ckpt, sd), sd)
 
 
-def test_save_with_a_directory_where_a_data_file_goes_names_it(tmp_path):
+def test_save_with_a_directory_where_a_data_file_goes_names_it(tmp_path, monkeypatch):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    os.mkdir(ckpt / "__0_0.distcp")
+    doomed = ckpt / f"__0_{_TAG}_0.distcp"
+    os.mkdir(doomed)
+    monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: _FIXED)
     with pytest.raises(IsADirectoryError) as ei:
         dcpx.save(state(6), checkpoint_id=ckpt)
-    assert ei.value.filename == str(ckpt / "__0_0.distcp")
+    monkeypatch.undo()
+    assert ei.value.filename == str(doomed)
     assert not (ckpt / ".metadata").exists()
 
 
