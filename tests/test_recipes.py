@@ -68,7 +68,7 @@ def test_recipes_doc_shows_the_switch_the_tests_run():
     with open(RECIPES) as f:
         text = f.read()
     assert SWITCH in text
-    assert "python -m dcpx convert" in text and "--to safetensors" in text
+    assert "python -m dcpx convert ckpt/step-1000 hf/" in text and "--strip-prefix model." in text
     assert "docs/manager.md" in text or "manager.md" in text
 
 
@@ -298,24 +298,40 @@ def _has_convert():
     return r.returncode == 0 and "safetensors" in r.stdout
 
 
+def _convert(*args):
+    r = subprocess.run([sys.executable, "-m", "dcpx", "convert", *map(str, args)], capture_output=True, text=True,
+                       timeout=240, env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO] + sys.path)))
+    assert r.returncode == 0, r.stderr
+
+
 def test_export_to_safetensors(tmp_path):
+    """docs/recipes.md's two commands: the model's weights of a training checkpoint, one file and Hub-style
+    shards with model.safetensors.index.json."""
     st = pytest.importorskip("safetensors.torch")
     if not _has_convert():
         pytest.skip("this tree's CLI has no `convert --to safetensors` yet (docs/cli.md)")
     import dcpx
     g = torch.Generator().manual_seed(3)
-    sd = {"embed.weight": torch.randn(32, 8, generator=g), "layers.0.bias": torch.randn(8, generator=g),
-          "head.weight": torch.randn(4, 8, generator=g).to(torch.bfloat16)}
-    dcpx.save(sd, checkpoint_id=str(tmp_path / "ckpt"))
-    r = subprocess.run([sys.executable, "-m", "dcpx", "convert", str(tmp_path / "ckpt"), str(tmp_path / "out"),
-                        "--to", "safetensors"], capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([REPO] + sys.path)))
-    assert r.returncode == 0, r.stderr
-    files = sorted(glob.glob(str(tmp_path / "out" / "*.safetensors")))
-    assert files, os.listdir(tmp_path / "out")
+    model = {"embed.weight": torch.randn(32, 8, generator=g), "layers.0.bias": torch.randn(8, generator=g),
+             "head.weight": torch.randn(4, 8, generator=g).to(torch.bfloat16)}
+    ckpt = tmp_path / "ckpt" / "step-1000"
+    dcpx.save({"model": model, "optimizer": {"state": {"m": torch.ones(3)}}, "step": 1000}, checkpoint_id=str(ckpt))
+
+    def check(got):
+        assert sorted(got) == sorted(model)
+        for k, v in model.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+    (tmp_path / "hf").mkdir()
+    _convert(ckpt, tmp_path / "hf" / "model.safetensors", "--only", "model.", "--strip-prefix", "model.")
+    check(st.load_file(str(tmp_path / "hf" / "model.safetensors")))
+
+    _convert(ckpt, tmp_path / "hf-sharded", "--max-shard-size", "1KB", "--only", "model.", "--strip-prefix", "model.")
+    with open(tmp_path / "hf-sharded" / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert sorted(index["weight_map"]) == sorted(model)
     got = {}
-    for f in files:
-        got.update(st.load_file(f))
-    assert sorted(got) == sorted(sd)
-    for k, v in sd.items():
-        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    for name in sorted(set(index["weight_map"].values())):
+        got.update(st.load_file(str(tmp_path / "hf-sharded" / name)))
+    assert len(set(index["weight_map"].values())) > 1
+    check(got)
