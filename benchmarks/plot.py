@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -178,7 +179,7 @@ def plot_async(path, out_dir):
         wlimit = r["baselines"].get("write + fsync (64 MiB os.write)")
         for vals, name, style in ((memcpy, "one memcpy", ":"), (wlimit, "one write+fsync", "--")):
             if vals:
-                v = sorted(vals)[len(vals) // 2]
+                v = statistics.median(vals)
                 ax.axvline(v, color=LIMIT_COLOR, linestyle=style, label=f"limit: {name} ({v:.2f} s)")
         for yi, s, u in zip(y, staged, uploaded):
             ax.annotate(f"{s:.2f}", (s, yi + h / 2), va="center", fontsize=7, xytext=(2, 0), textcoords="offset points")
