@@ -12,7 +12,10 @@ CRC checked.
 """
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -120,6 +123,41 @@ def fqn(path: tuple) -> str:
     return ".".join(str(p) for p in path)
 
 
+def release_pages(t: torch.Tensor, path: Path) -> bool:
+    """Unmap from this process the resident pages of ``t`` when ``t`` is a
+    view of a memory mapping of the file ``path`` (``torch.load(mmap=True)``
+    and ``safetensors.safe_open`` return such views): madvise(MADV_DONTNEED)
+    on the whole pages inside the tensor.  Those pages are never written, so
+    a later access reads them from the file again (tied weights stay
+    right); without this, every page read stays in the process (in its
+    RSS) until the file is closed.  Checked against /proc/self/maps: memory
+    that is not a mapping of ``path`` is never touched.  Linux only."""
+    n = t.numel() * t.element_size()
+    if not sys.platform.startswith("linux") or n < mmap.PAGESIZE:
+        return False
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    a, b = -(-start // page) * page, (start + n) // page * page
+    if b <= a:
+        return False
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read().splitlines()
+    except OSError:
+        return False
+    for line in maps:
+        parts = line.split(None, 5)
+        if len(parts) < 6 or parts[5] != real:
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= a and b <= hi:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            return libc.madvise(a, b - a, 4) == 0      # MADV_DONTNEED
+    return False
+
+
 class Source:
     """A checkpoint opened for reading, key by key."""
     kind = "?"
@@ -135,8 +173,8 @@ class Source:
         """key -> the nested path it came from (for DCP's planner_data)."""
         return {k: (k,) for k in self.entries()}
 
-    def close(self) -> None:
-        pass
+    def release(self, key: str, value: Any) -> None:
+        """Done with ``value`` (read by ``read(key)``): give back its memory."""
 
 
 class DcpSource(Source):
@@ -212,6 +250,7 @@ class TorchSource(Source):
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.mapped = True
         try:
             obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
@@ -219,6 +258,7 @@ class TorchSource(Source):
                 raise CliError(f"{self.path}: cannot load: {e}") from e
             # a legacy (pre-zip) file cannot be mapped: load it whole
             obj = torch.load(self.path, map_location="cpu", weights_only=True)
+            self.mapped = False
         except Exception as e:
             raise CliError(f"{self.path}: cannot load with weights_only=True: {e}") from e
         self._values: dict[str, Any] = {}
@@ -244,6 +284,10 @@ class TorchSource(Source):
 
     def read(self, key: str) -> Any:
         return self._values[key]
+
+    def release(self, key: str, value: Any) -> None:
+        if self.mapped and isinstance(value, torch.Tensor):
+            release_pages(value, self.path)
 
 
 class SafetensorsSource(Source):
@@ -271,6 +315,7 @@ class SafetensorsSource(Source):
             files = [self.path]
         self._handles = {}
         self._where: dict[str, Any] = {}
+        self._file: dict[str, Path] = {}
         self.metadata: dict[str, str] = {}
         for f in files:
             try:
@@ -283,6 +328,7 @@ class SafetensorsSource(Source):
                 if k in self._where:
                     raise CliError(f"{f}: key {k!r} is also in another shard")
                 self._where[k] = h
+                self._file[k] = f
 
     def _shards(self, index: Path) -> list[Path]:
         try:
@@ -311,6 +357,9 @@ class SafetensorsSource(Source):
 
     def read(self, key: str) -> Any:
         return self._where[key].get_tensor(key)
+
+    def release(self, key: str, value: Any) -> None:
+        release_pages(value, self._file[key])
 
 
 def _safetensors_dtype(name: str, key: str) -> torch.dtype:

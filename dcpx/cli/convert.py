@@ -78,11 +78,11 @@ def parse_size(text: str) -> int:
 def output_format(dst: str, to: Optional[str], sharded: bool) -> str:
     if to:
         return to
-    if dst.endswith(".safetensors") or sharded:
+    if dst.endswith(".safetensors"):
         return "safetensors"
     if dst.endswith(_TORCH_SUFFIXES):
         return "torch"
-    return "dcp"
+    return "safetensors" if sharded else "dcp"
 
 
 # -- bytes of a tensor, without a copy ------------------------------------
@@ -159,6 +159,7 @@ def _write_safetensors_file(src: Source, path: Path, tensors: list, meta: dict, 
             for e in tensors:
                 t = _check(e.key, src.read(e.key), e)
                 _write_tensor(f, t)
+                src.release(e.key, t)
                 del t
                 bar.update(e.nbytes)
             f.flush()
@@ -300,6 +301,7 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
                 if t.storage_offset() or storage.nbytes() != e.nbytes:
                     storage = t.clone().untyped_storage()   # a view: this tensor's bytes only
                 w.write_record(f"data/{i}", storage, e.nbytes)
+                src.release(e.key, t)
                 del storage
                 del t
                 bar.update(e.nbytes)
@@ -337,26 +339,32 @@ def to_dcp(src: Source, dst: Path, bar_on: bool) -> str:
     pending = 0
     total = sum(e.nbytes for e in entries.values() if e.is_tensor)
 
+    held: list = []     # (key, tensor) of the batch, released once written
+
     def flush() -> None:
-        nonlocal batch, nbatch, pending
+        nonlocal batch, nbatch, pending, held
         if not batch:
             return
         results = writer.write_entries(f"{prefix}{nbatch}_", batch).start().wait()
         storage.update({r.index: r.storage_data for r in results})
         nbatch += 1
         batch, pending = [], 0
+        for key, t in held:
+            src.release(key, t)
+        held = []
 
     with progress(total, "convert", enabled=bar_on) as bar:
         for e in entries.values():
+            if pending and pending + e.nbytes > DCP_FILE_BYTES:
+                flush()     # before reading the next one: one batch in memory
             v = src.read(e.key)
             if e.is_tensor:
                 t = _check(e.key, v, e)
+                held.append((e.key, t))
                 zero = torch.Size([0] * t.dim())
                 sdm[e.key] = TensorStorageMetadata(
                     properties=TensorProperties.create_from_tensor(t), size=t.shape,
                     chunks=[ChunkStorageMetadata(offsets=zero, sizes=t.shape)])
-                if pending and pending + e.nbytes > DCP_FILE_BYTES:
-                    flush()
                 batch.append(_Entry(MetadataIndex(e.key, zero), tensor_payload(t, e.key), e.nbytes))
                 pending += e.nbytes
                 bar.update(e.nbytes)
@@ -367,6 +375,7 @@ def to_dcp(src: Source, dst: Path, bar_on: bool) -> str:
                 pending += len(payload)
             del v
         flush()
+        del held
     paths = src.paths()
     md = Metadata(state_dict_metadata=sdm, planner_data={k: paths.get(k, (k,)) for k in sdm},
                   storage_data=storage)
