@@ -277,6 +277,19 @@ def test_to_dcp_loads_with_torch_and_dcpx(tmp_path, fmt):
         _assert_same(_flat(target), _flat(nested))
 
 
+def test_export_only_the_model_without_its_prefix(ckpt, tmp_path, capsys):
+    path, flat = ckpt
+    out = tmp_path / "model.safetensors"
+    assert _cli("convert", path, out, "--only", "model.", "--strip-prefix", "model.") == 0
+    assert "skipped" not in capsys.readouterr().err      # step and run_name left out, no warning
+    _assert_same(load_file(out), {k[len("model."):]: v for k, v in flat.items()
+                                  if k.startswith("model.")})
+    assert _cli("convert", path, tmp_path / "x.pt", "--only", "optim.") == 1
+    assert "no key starts with 'optim.'" in capsys.readouterr().err
+    assert _cli("convert", path, tmp_path / "y.pt", "--strip-prefix", "model.layer.") == 0
+    assert sorted(torch.load(tmp_path / "y.pt", weights_only=True))[:3] == ["b", "model.emb", "model.idx"]
+
+
 def test_round_trips_through_every_format(ckpt, tmp_path):
     path, flat = ckpt
     tensors = {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}

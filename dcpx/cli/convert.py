@@ -387,9 +387,44 @@ def to_dcp(src: Source, dst: Path, bar_on: bool) -> str:
             f"{nbatch} data file(s) -> {dst}")
 
 
+class _Selected(Source):
+    """The keys of ``src`` that start with one of ``only`` (all when empty),
+    renamed without ``strip`` (e.g. export ``model.*`` of a training
+    checkpoint as the model's own state dict)."""
+
+    def __init__(self, src: Source, only: list, strip: Optional[str]):
+        self.src, self.kind, self.path = src, src.kind, src.path
+        self._map: dict[str, str] = {}
+        for k in src.entries():
+            if only and not any(k.startswith(p) for p in only):
+                continue
+            new = k[len(strip):] if strip and k.startswith(strip) else k
+            if not new:
+                raise CliError(f"--strip-prefix {strip!r} leaves the key {k!r} empty")
+            if new in self._map:
+                raise CliError(f"keys {self._map[new]!r} and {k!r} both become {new!r}")
+            self._map[new] = k
+        if not self._map:
+            raise CliError(f"no key starts with {' or '.join(map(repr, only))}")
+
+    def entries(self) -> dict[str, Entry]:
+        e = self.src.entries()
+        return {new: e[old]._replace(key=new) for new, old in self._map.items()}
+
+    def paths(self) -> dict[str, tuple]:
+        return {new: (new,) for new in self._map}
+
+    def read(self, key: str) -> Any:
+        return self.src.read(self._map[key])
+
+    def release(self, key: str, value: Any) -> None:
+        self.src.release(self._map[key], value)
+
+
 def convert(src_path: str, dst_path: str, *, to: Optional[str] = None,
             src_format: Optional[str] = None, max_shard_size: Optional[str] = None,
-            overwrite: bool = False, show_progress: bool = False, out=None) -> int:
+            overwrite: bool = False, only: Optional[list] = None,
+            strip_prefix: Optional[str] = None, show_progress: bool = False, out=None) -> int:
     out = out or sys.stdout
     max_shard = parse_size(max_shard_size) if max_shard_size else None
     fmt = output_format(dst_path, to, max_shard is not None)
@@ -404,6 +439,8 @@ def convert(src_path: str, dst_path: str, *, to: Optional[str] = None,
         raise CliError(f"{dst}: is a directory; a single safetensors output is a file "
                        f"(or pass --max-shard-size for shards in a directory)")
     src = open_source(src_path, src_format)
+    if only or strip_prefix:
+        src = _Selected(src, list(only or []), strip_prefix)
     if fmt == "safetensors":
         what = to_safetensors(src, dst, max_shard, show_progress)
     elif fmt == "torch":
@@ -429,6 +466,10 @@ def add_parser(sub, **common) -> None:
                    help="safetensors shards of at most SIZE (e.g. 5GB) each in directory DST, "
                         "with model.safetensors.index.json (a tensor larger than SIZE gets "
                         "a shard of its own)")
+    p.add_argument("--only", action="append", metavar="PREFIX",
+                   help="convert only the keys that start with PREFIX (repeatable)")
+    p.add_argument("--strip-prefix", metavar="PREFIX",
+                   help="remove PREFIX from the start of the keys that have it")
     p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
     p.set_defaults(run=run)
 
@@ -436,4 +477,4 @@ def add_parser(sub, **common) -> None:
 def run(args) -> int:
     return convert(args.src, args.dst, to=args.to, src_format=args.src_format,
                    max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-                   show_progress=True)
+                   only=args.only, strip_prefix=args.strip_prefix, show_progress=True)
