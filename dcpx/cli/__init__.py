@@ -17,13 +17,14 @@ looking at an untrusted checkpoint never runs code from it.  Progress bars
 (tqdm, when installed) go to stderr, only when it is a terminal.
 
 Exit status: 0 the checkpoint is sound (verify: every record read and
-checked); diff: no difference; 1 the checkpoint has problems (verify
-reports every one, one line each, naming the key and the file: a corrupt or
-unreadable .metadata, a missing, truncated or unreadable data file, a CRC-32
-mismatch, a value that does not unpickle); diff: differences; convert, ls,
-inspect: the operation failed; 2 no checkpoint to check: a usage error, or
-the path does not exist, is not a directory, or has no .metadata (never
-committed).
+checked), no difference (diff), done (ls, inspect, convert);
+1 the checkpoint has problems (verify reports every one, one line each,
+naming the key and the file: a corrupt or unreadable .metadata, a missing,
+truncated or unreadable data file, a CRC-32 mismatch, a value that does not
+unpickle), the checkpoints differ (diff), the operation failed (convert: a
+dtype the output format lacks, DST exists, a damaged input);
+2 no checkpoint to check: a usage error, or the path does not exist, is not
+a directory, or has no .metadata (never committed).
 """
 from __future__ import annotations
 
