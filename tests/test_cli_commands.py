@@ -335,6 +335,36 @@ def test_dtype_safetensors_lacks_is_refused_by_name(tmp_path, capsys, dtype):
     _assert_same(torch.load(tmp_path / "c.pt", weights_only=True), sd)
 
 
+def test_values_torch_weights_only_refuses_are_skipped_by_name(tmp_path, capsys):
+    import collections
+
+    import numpy as np
+    sd = {"w": torch.ones(3), "hist": collections.deque([1, 2]), "arr": np.arange(3),
+          "lr": 0.1}
+    dcpx.save(sd, checkpoint_id=tmp_path / "c")     # dcpx's allow-list has deque and numpy
+    assert _cli("convert", tmp_path / "c", tmp_path / "c.pt") == 0
+    err = capsys.readouterr().err
+    assert "hist (" in err and "arr (" in err and "lr" not in err, err
+    got = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert sorted(got) == ["lr", "w"] and got["lr"] == 0.1
+    assert _cli("convert", tmp_path / "c", tmp_path / "d") == 0      # DCP keeps them
+    assert _cli("diff", tmp_path / "c", tmp_path / "d", "--values") == 0
+
+
+def test_damaged_input_fails_naming_the_key_and_leaves_nothing(ckpt, tmp_path, capsys):
+    from conftest import flip_byte, locate
+    path, _ = ckpt
+    md = dcpx.FileSystemReader(path).read_metadata()
+    file, off, length = locate(path, md, "model.emb")
+    flip_byte(file, off + length // 2)
+    for out in ("m.safetensors", "m.pt", "m_dcp"):
+        assert _cli("convert", path, tmp_path / out) == 1
+        err = capsys.readouterr().err
+        assert "model.emb" in err and "CRC" in err, err
+        assert not (tmp_path / out).exists() or not any((tmp_path / out).glob(METADATA_FN))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".m")) == []
+
+
 def test_convert_errors(ckpt, tmp_path, capsys):
     path, _ = ckpt
     assert _cli("convert", tmp_path / "missing", tmp_path / "x.pt") == 2

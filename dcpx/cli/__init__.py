@@ -29,6 +29,7 @@ a directory, or has no .metadata (never committed).
 from __future__ import annotations
 
 import argparse
+import pickle
 import sys
 from typing import Optional, Sequence
 
@@ -60,6 +61,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except (CheckpointError, CliError, OSError, ValueError, TypeError) as e:
         print(f"dcpx {args.cmd}: {e}", file=sys.stderr)
+        return 1
+    except (RuntimeError, pickle.UnpicklingError) as e:   # torch.load, safetensors, ...
+        print(f"dcpx {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"dcpx {args.cmd}: interrupted", file=sys.stderr)

@@ -267,16 +267,52 @@ class _Pickler(pickle.Pickler):
         return None
 
 
+def _weights_only_refusal(v: Any) -> Optional[str]:
+    """Why ``torch.load(weights_only=True)`` would refuse the value (dcpx's
+    own allow-list also admits numpy arrays, deques, Namespaces, ...), or
+    None."""
+    buf = io.BytesIO()
+    torch.save(v, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()
+        found = [ln.strip() for ln in first if "GLOBAL" in ln or "Unsupported" in ln]
+        return (found[0] if found else f"{type(v).__name__}")[:200]
+    return None
+
+
+def _check_loads(tmp: Path, dst: Path) -> None:
+    """The finished file loads with torch.load(weights_only=True) (mapped,
+    so no tensor data is read)."""
+    try:
+        got = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
+        del got
+    except Exception as e:
+        raise CliError(f"{dst}: the written file does not load with torch.load("
+                       f"weights_only=True): {e}") from e
+
+
 def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
     from ..filesystem import check_saveable
     entries = src.entries()
     obj: dict[str, Any] = {}
+    skipped = []
     for e in entries.values():
         if e.is_tensor:
             check_saveable(torch.empty(0, dtype=e.dtype), e.key)
             obj[e.key] = _TensorRef(e.key, e.dtype, e.shape)
         else:
-            obj[e.key] = src.read(e.key)
+            v = src.read(e.key)
+            why = _weights_only_refusal(v)
+            if why:
+                skipped.append(f"{e.key} ({why})")
+            else:
+                obj[e.key] = v
+    if skipped:
+        warn(f"torch.load(weights_only=True) would refuse these values, so they are "
+             f"skipped: {'; '.join(skipped)} (a DCP output keeps them)")
     buf = io.BytesIO()
     p = _Pickler(buf)
     p.dump(obj)
@@ -288,26 +324,40 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
     try:
         with open(tmp, "wb") as f, progress(total, "convert", enabled=bar_on) as bar:
             w = torch._C.PyTorchFileWriter(f, True, int(align))
-            w.write_record("data.pkl", data, len(data))
-            w.write_record(".format_version", "1", 1)
-            w.write_record(".storage_alignment", align, len(align))
-            w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
-            for i, ref in enumerate(order):
-                e = entries[ref.key]
-                t = _check(e.key, src.read(e.key), e).detach().cpu()
-                if not t.is_contiguous() or t.is_conj() or t.is_neg():
-                    t = t.resolve_conj().resolve_neg().contiguous()
-                storage = t.untyped_storage()
-                if t.storage_offset() or storage.nbytes() != e.nbytes:
-                    storage = t.clone().untyped_storage()   # a view: this tensor's bytes only
-                w.write_record(f"data/{i}", storage, e.nbytes)
-                src.release(e.key, t)
-                del storage
-                del t
-                bar.update(e.nbytes)
-            w.write_end_of_file()
+            ended = False
+            try:
+                w.write_record("data.pkl", data, len(data))
+                w.write_record(".format_version", "1", 1)
+                w.write_record(".storage_alignment", align, len(align))
+                w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+                for i, ref in enumerate(order):
+                    e = entries[ref.key]
+                    t = _check(e.key, src.read(e.key), e).detach().cpu()
+                    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                        t = t.resolve_conj().resolve_neg().contiguous()
+                    storage = t.untyped_storage()
+                    if t.storage_offset() or storage.nbytes() != e.nbytes:
+                        storage = t.clone().untyped_storage()   # a view: this tensor's bytes only
+                    w.write_record(f"data/{i}", storage, e.nbytes)
+                    src.release(e.key, t)
+                    del storage
+                    del t
+                    bar.update(e.nbytes)
+                ended = True
+                w.write_end_of_file()
+            finally:
+                # A writer left unfinished writes its end in its destructor,
+                # after the file is closed, and aborts the process: end it
+                # here (the file is removed on an error).
+                if not ended:
+                    try:
+                        w.write_end_of_file()
+                    except Exception:
+                        pass
+                del w
             f.flush()
             os.fsync(f.fileno())
+        _check_loads(tmp, dst)
         os.replace(tmp, dst)
     except BaseException:
         _unlink(tmp)
