@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -369,10 +369,6 @@ def _safetensors_dtype(name: str, key: str) -> torch.dtype:
     return _TYPES[name]
 
 
-def is_dcp(path: Path) -> bool:
-    return path.is_dir() and (path / METADATA_FN).exists()
-
-
 def detect(path: Path) -> str:
     """'dcp', 'safetensors' or 'torch' for an existing input path."""
     if path.is_dir():
@@ -403,12 +399,6 @@ def open_source(path: str, fmt: Optional[str] = None) -> Source:
     if fmt == "safetensors":
         return SafetensorsSource(p)
     return TorchSource(p)
-
-
-def iter_bar(items: Iterable, bar) -> Iterator:
-    for it in items:
-        yield it
-        bar.update(1)
 
 
 def warn(msg: str) -> None:

@@ -61,7 +61,7 @@ HELP = "convert between DCP, torch.save and safetensors (single or sharded), str
 #: bytes of tensors gathered into one DCP data file (one tensor when larger)
 DCP_FILE_BYTES = 64 << 20
 
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def parse_size(text: str) -> int:
@@ -508,7 +508,7 @@ def add_parser(sub, **common) -> None:
     p.add_argument("dst")
     p.add_argument("--to", choices=["dcp", "torch", "safetensors"],
                    help="output format (default: from DST: *.safetensors or "
-                        "--max-shard-size: safetensors; *.pt, *.pth, *.bin, *.ckpt, *.tar: "
+                        "--max-shard-size: safetensors; *.pt, *.pth, *.bin, *.ckpt: "
                         "torch; otherwise a DCP directory)")
     p.add_argument("--from", dest="src_format", choices=["dcp", "torch", "safetensors"],
                    help="input format (default: detected)")
