@@ -237,6 +237,10 @@ def test_dcp_to_safetensors_sharded(ckpt, tmp_path):
         assert all(index["weight_map"][k] == s for k in part)
         got.update(part)
     _assert_same(got, flat, tensors_only=True)
+    # overwritten with fewer shards: the old ones go
+    assert _cli("convert", path, out, "--max-shard-size", "1MB", "--overwrite") == 0
+    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00001.safetensors",
+                                                      "model.safetensors.index.json"]
 
 
 @pytest.mark.parametrize("fmt", ["torch", "safetensors", "sharded"])

@@ -205,6 +205,9 @@ def to_safetensors(src: Source, dst: Path, max_shard: Optional[int], bar_on: boo
         tmp = _tmp(dst / SAFETENSORS_INDEX)
         tmp.write_text(json.dumps(index, indent=2) + "\n")
         os.replace(tmp, dst / SAFETENSORS_INDEX)
+        for old in dst.glob("model-*-of-*.safetensors"):   # shards of an overwritten export
+            if old.name not in set(weight_map.values()):
+                _unlink(old)
         return f"{len(tensors)} tensors ({human(total)}) in {n} shard(s) -> {dst}"
 
 
