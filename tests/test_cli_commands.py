@@ -544,3 +544,17 @@ def test_module_and_console_script_entry(ckpt, tmp_path):
     mod, fn = scripts["dcpx"].split(":")
     import importlib
     assert getattr(importlib.import_module(mod), fn) is main
+
+
+def test_without_safetensors_and_tqdm(ckpt, tmp_path, monkeypatch, capsys):
+    """dcpx does not depend on them: without them verify and torch.save
+    conversions work (no bars), a safetensors conversion says what to install."""
+    path, flat = ckpt
+    for mod in ("safetensors", "safetensors.torch", "tqdm"):
+        monkeypatch.setitem(sys.modules, mod, None)
+    monkeypatch.setattr(sys, "stderr", _Tty())
+    assert _cli("verify", path) == 0
+    assert _cli("convert", path, tmp_path / "m.pt") == 0
+    assert _cli("convert", path, tmp_path / "m.safetensors") == 1
+    text = "".join(sys.stderr.text)
+    assert "needs the 'safetensors' package" in text and "pip install safetensors" in text, text
