@@ -472,7 +472,7 @@ def big_ckpt(tmp_path_factory):
 
 @pytest.mark.parametrize("src,out", [("big", "model.safetensors"), ("big", "model.pt"),
                                      ("big.safetensors", "dcp"), ("big.pt", "dcp"),
-                                     ("big.pt", "model.safetensors")])
+                                     ("big.pt", "model.safetensors"), ("big", "dcp")])
 def test_convert_memory_is_bounded_by_one_tensor(big_ckpt, tmp_path, src, out):
     """The converting process's peak RSS grows by a small multiple of one
     tensor (64 MiB), not by the checkpoint (384 MiB): a converter that held
