@@ -421,6 +421,7 @@ def to_dcp(src: Source, dst: Path, bar_on: bool) -> str:
                 batch.append(_Entry(MetadataIndex(e.key, zero), tensor_payload(t, e.key), e.nbytes))
                 pending += e.nbytes
                 bar.update(e.nbytes)
+                del t       # the batch holds it until written, nothing else
             else:
                 payload = value_payload(v, e.key)
                 sdm[e.key] = BytesStorageMetadata()
