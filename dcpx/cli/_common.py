@@ -1,0 +1,406 @@
+"""What every command shares: one way to open a checkpoint in any format the
+CLI knows (a DCP directory, a ``torch.save`` file, a safetensors file or a
+sharded safetensors directory) and read it one key at a time, progress
+bars, sizes for people.
+
+Reading is streaming by construction: ``entries()`` comes from metadata
+alone (the DCP ``.metadata``, the safetensors header, a ``torch.save``
+archive opened with ``mmap=True``), and ``read(key)`` materialises one value:
+for DCP, one tensor assembled from its saved chunks (DTensor / FSDP shards of
+one key consolidated into one tensor), read by dcpx's C reader with every
+CRC checked.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple, Optional
+
+import torch
+
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from .._metadata import METADATA_FN
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def need_safetensors():
+    """The ``safetensors`` package, or a clear error (dcpx itself does not
+    depend on it; only the CLI's safetensors conversions do)."""
+    try:
+        import safetensors  # noqa: F401
+        import safetensors.torch
+    except ImportError:
+        raise CliError("this needs the 'safetensors' package, which is not installed "
+                       "(pip install safetensors)") from None
+    return safetensors
+
+
+class CliError(Exception):
+    """An error the CLI reports as one line (exit status 1)."""
+
+
+class NoCheckpoint(CliError):
+    """Nothing to work on at the path given (exit status 2)."""
+
+
+class _NoBar:
+    def __init__(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def progress(total: Optional[float], desc: str, *, unit: str = "B", enabled: bool = True):
+    """A tqdm bar on stderr, or an object that does nothing: when disabled,
+    when stderr is not a terminal (scripts, CI, logs), or when tqdm is not
+    installed (a progress bar is never a reason to fail)."""
+    if not enabled or not sys.stderr.isatty():
+        return _NoBar()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    scale = unit == "B"
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=scale,
+                unit_divisor=1024 if scale else 1000, file=sys.stderr,
+                dynamic_ncols=True, leave=False)
+
+
+class Entry(NamedTuple):
+    key: str                          # flattened FQN
+    dtype: Optional[torch.dtype]      # None: a non-tensor value
+    shape: Optional[tuple]
+    nbytes: int                       # tensor bytes; for a value, its stored size if known
+    chunks: int = 1                   # saved pieces (DCP chunks) of this key
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype is not None
+
+
+def flatten(obj: Any, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """(path, leaf) of nested mappings, as DCP flattens a state dict: the
+    FQN is the path joined with '.'."""
+    if isinstance(obj, Mapping) and (obj or not prefix):
+        for k, v in obj.items():
+            yield from flatten(v, prefix + (k,))
+    else:
+        yield prefix, obj
+
+
+def fqn(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def release_pages(t: torch.Tensor, path: Path) -> bool:
+    """Unmap from this process the resident pages of ``t`` when ``t`` is a
+    view of a memory mapping of the file ``path`` (``torch.load(mmap=True)``
+    and ``safetensors.safe_open`` return such views): madvise(MADV_DONTNEED)
+    on the whole pages inside the tensor.  Those pages are never written, so
+    a later access reads them from the file again (tied weights stay
+    right); without this, every page read stays in the process (in its
+    RSS) until the file is closed.  Checked against /proc/self/maps: memory
+    that is not a mapping of ``path`` is never touched.  Linux only."""
+    n = t.numel() * t.element_size()
+    if not sys.platform.startswith("linux") or n < mmap.PAGESIZE:
+        return False
+    page = mmap.PAGESIZE
+    start = t.data_ptr()
+    a, b = -(-start // page) * page, (start + n) // page * page
+    if b <= a:
+        return False
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read().splitlines()
+    except OSError:
+        return False
+    for line in maps:
+        parts = line.split(None, 5)
+        if len(parts) < 6 or parts[5] != real:
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= a and b <= hi:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            return libc.madvise(a, b - a, 4) == 0      # MADV_DONTNEED
+    return False
+
+
+class Source:
+    """A checkpoint opened for reading, key by key."""
+    kind = "?"
+    path: Path
+
+    def entries(self) -> dict[str, Entry]:
+        raise NotImplementedError
+
+    def read(self, key: str) -> Any:
+        raise NotImplementedError
+
+    def paths(self) -> dict[str, tuple]:
+        """key -> the nested path it came from (for DCP's planner_data)."""
+        return {k: (k,) for k in self.entries()}
+
+    def release(self, key: str, value: Any) -> None:
+        """Done with ``value`` (read by ``read(key)``): give back its memory."""
+
+
+class DcpSource(Source):
+    kind = "dcp"
+
+    def __init__(self, path: Path):
+        from ..filesystem import FileSystemReader
+        self.path = Path(path)
+        self.reader = FileSystemReader(self.path)
+        self.md = self.reader.read_metadata()
+        self.reader.set_up_storage_reader(self.md, True)
+        self._entries: Optional[dict[str, Entry]] = None
+
+    def entries(self) -> dict[str, Entry]:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+        if self._entries is None:
+            out = {}
+            for key, v in self.md.state_dict_metadata.items():
+                if isinstance(v, TensorStorageMetadata):
+                    dtype = v.properties.dtype
+                    out[key] = Entry(key, dtype, tuple(v.size),
+                                     v.size.numel() * dtype.itemsize, len(v.chunks))
+                else:
+                    info = self.md.storage_data.get(MetadataIndex(key))
+                    out[key] = Entry(key, None, None, info.length if info else 0)
+            self._entries = out
+        return self._entries
+
+    def paths(self) -> dict[str, tuple]:
+        pd = self.md.planner_data if isinstance(self.md.planner_data, dict) else {}
+        return {k: tuple(pd[k]) if isinstance(pd.get(k), (tuple, list)) else (k,)
+                for k in self.entries()}
+
+    def read(self, key: str) -> Any:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+        from ..filesystem import _TensorRead
+        sdm = self.md.state_dict_metadata[key]
+        if not isinstance(sdm, TensorStorageMetadata):
+            index = MetadataIndex(key)
+            if index not in self.md.storage_data:
+                raise CorruptCheckpointError(f"{self.path}: metadata has no storage entry for {key!r}")
+            return self.reader.load_value(key, self.md.storage_data[index])
+        full = torch.empty(sdm.size, dtype=sdm.properties.dtype)
+        covered = 0
+        reads = []
+        for ch in sdm.chunks:
+            index = MetadataIndex(key, ch.offsets)
+            info = self.md.storage_data.get(index)
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"{self.path}: metadata has no storage entry for {key!r} at offset "
+                    f"{tuple(ch.offsets)}")
+            if any(o < 0 or o + s > n for o, s, n in zip(ch.offsets, ch.sizes, sdm.size)):
+                raise CorruptCheckpointError(
+                    f"{self.path}: chunk of {key!r} at {tuple(ch.offsets)} size "
+                    f"{tuple(ch.sizes)} lies outside its size {tuple(sdm.size)}")
+            target = full[tuple(slice(o, o + s) for o, s in zip(ch.offsets, ch.sizes))]
+            reads.append(_TensorRead(key, info, ch.sizes, sdm.properties.dtype, target, None))
+            covered += ch.sizes.numel()
+        if covered != sdm.size.numel():
+            raise CorruptCheckpointError(
+                f"{self.path}: the chunks of {key!r} hold {covered} elements, its size "
+                f"{tuple(sdm.size)} has {sdm.size.numel()} (overlapping or missing shards)")
+        self.reader.read_tensors(reads)
+        return full
+
+
+class TorchSource(Source):
+    """A ``torch.save`` file, loaded with ``weights_only=True`` and
+    ``mmap=True``: tensors stay in the file's pages (clean, evictable page
+    cache) until read; nested dicts are flattened to FQNs."""
+    kind = "torch"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.mapped = True
+        try:
+            obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e) and "zip" not in str(e):
+                raise CliError(f"{self.path}: cannot load: {e}") from e
+            # a legacy (pre-zip) file cannot be mapped: load it whole
+            obj = torch.load(self.path, map_location="cpu", weights_only=True)
+            self.mapped = False
+        except Exception as e:
+            raise CliError(f"{self.path}: cannot load with weights_only=True: {e}") from e
+        self._values: dict[str, Any] = {}
+        self._paths: dict[str, tuple] = {}
+        for p, leaf in flatten(obj):
+            key = fqn(p)
+            if key in self._values:
+                raise CliError(f"{self.path}: two entries flatten to the key {key!r}")
+            self._values[key] = leaf
+            self._paths[key] = p
+
+    def entries(self) -> dict[str, Entry]:
+        out = {}
+        for k, v in self._values.items():
+            if isinstance(v, torch.Tensor):
+                out[k] = Entry(k, v.dtype, tuple(v.shape), v.numel() * v.element_size())
+            else:
+                out[k] = Entry(k, None, None, 0)
+        return out
+
+    def paths(self) -> dict[str, tuple]:
+        return dict(self._paths)
+
+    def read(self, key: str) -> Any:
+        return self._values[key]
+
+    def release(self, key: str, value: Any) -> None:
+        if self.mapped and isinstance(value, torch.Tensor):
+            release_pages(value, self.path)
+
+
+class SafetensorsSource(Source):
+    """One safetensors file, or the shards named by a Hugging Face
+    ``model.safetensors.index.json``; read with ``safetensors.safe_open``
+    one tensor at a time."""
+    kind = "safetensors"
+
+    def __init__(self, path: Path):
+        need_safetensors()
+        from safetensors import safe_open
+        self.path = Path(path)
+        if self.path.is_dir():
+            index = self.path / SAFETENSORS_INDEX
+            if index.exists():
+                files = self._shards(index)
+            else:
+                files = sorted(self.path.glob("*.safetensors"))
+                if not files:
+                    raise NoCheckpoint(f"{self.path}: no {SAFETENSORS_INDEX} and no "
+                                       f"*.safetensors file in it")
+        elif self.path.name.endswith(".index.json"):
+            files = self._shards(self.path)
+        else:
+            files = [self.path]
+        self._handles = {}
+        self._where: dict[str, Any] = {}
+        self._file: dict[str, Path] = {}
+        self.metadata: dict[str, str] = {}
+        for f in files:
+            try:
+                h = safe_open(str(f), framework="pt")
+            except Exception as e:
+                raise CliError(f"{f}: not a readable safetensors file: {e}") from e
+            self._handles[f] = h
+            self.metadata.update(h.metadata() or {})
+            for k in h.keys():
+                if k in self._where:
+                    raise CliError(f"{f}: key {k!r} is also in another shard")
+                self._where[k] = h
+                self._file[k] = f
+
+    def _shards(self, index: Path) -> list[Path]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except Exception as e:
+            raise CliError(f"{index}: not a safetensors index (no weight_map): {e}") from e
+        files = []
+        for name in dict.fromkeys(weight_map.values()):
+            f = index.parent / name
+            if not f.exists():
+                raise CliError(f"{index}: names the shard {name}, which does not exist")
+            files.append(f)
+        return files
+
+    def entries(self) -> dict[str, Entry]:
+        out = {}
+        for k, h in self._where.items():
+            sl = h.get_slice(k)
+            dtype = _safetensors_dtype(sl.get_dtype(), k)
+            shape = tuple(sl.get_shape())
+            n = 1
+            for s in shape:
+                n *= s
+            out[k] = Entry(k, dtype, shape, n * dtype.itemsize)
+        return dict(sorted(out.items()))
+
+    def read(self, key: str) -> Any:
+        return self._where[key].get_tensor(key)
+
+    def release(self, key: str, value: Any) -> None:
+        release_pages(value, self._file[key])
+
+
+def _safetensors_dtype(name: str, key: str) -> torch.dtype:
+    from safetensors.torch import _TYPES
+    if name not in _TYPES:
+        raise CliError(f"key {key!r}: safetensors dtype {name} has no torch dtype here")
+    return _TYPES[name]
+
+
+def detect(path: Path) -> str:
+    """'dcp', 'safetensors' or 'torch' for an existing input path."""
+    if path.is_dir():
+        if (path / METADATA_FN).exists():
+            return "dcp"
+        if (path / SAFETENSORS_INDEX).exists() or any(path.glob("*.safetensors")):
+            return "safetensors"
+        raise IncompleteCheckpointError(
+            f"{path}: no {METADATA_FN} (not a committed DCP checkpoint) and no safetensors files")
+    if path.name.endswith((".safetensors", ".index.json")):
+        return "safetensors"
+    if path.exists():
+        with open(path, "rb") as f:
+            head = f.read(9)
+        if len(head) >= 9 and head[8:9] == b"{":
+            return "safetensors"     # 8-byte header length, then JSON
+        return "torch"
+    raise NoCheckpoint(f"{path}: no such file or directory")
+
+
+def open_source(path: str, fmt: Optional[str] = None) -> Source:
+    p = Path(path)
+    if not p.exists():
+        raise NoCheckpoint(f"{p}: no such file or directory")
+    fmt = fmt or detect(p)
+    if fmt == "dcp":
+        return DcpSource(p)
+    if fmt == "safetensors":
+        return SafetensorsSource(p)
+    return TorchSource(p)
+
+
+def warn(msg: str) -> None:
+    print(f"dcpx: warning: {msg}", file=sys.stderr)
+

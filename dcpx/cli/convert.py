@@ -1,0 +1,534 @@
+"""``dcpx convert SRC DST``: between a DCP checkpoint, a single
+``torch.save`` file and safetensors (one file, or shards with the Hugging
+Face ``model.safetensors.index.json``), in every direction.
+
+Streaming, with bounded memory: a checkpoint larger than RAM converts.  The
+output's layout (keys, dtypes, shapes, offsets) is known from the input's
+metadata before any tensor is read; then tensors are read one at a time
+(for a DCP input: each key's chunks, DTensor / FSDP shards included, read
+into one consolidated tensor) and written out before the next is read.
+
+* safetensors output: the header, then each tensor's bytes, written here
+  (the ``safetensors`` library's writers take the whole state dict at once);
+  inputs are read with ``safetensors.safe_open``.  Outputs load with
+  ``safetensors.torch.load_file``.
+* ``torch.save`` output: a zip archive written record by record with the
+  writer ``torch.save`` itself uses (``torch._C.PyTorchFileWriter``: 64-byte
+  aligned records, CRC-32s); the ``data.pkl`` record is the pickle
+  ``torch.save`` writes for the same flat dict (tensors as
+  ``_rebuild_tensor_v2/v3`` of a persistent storage key), built before the
+  data.  Loads with ``torch.load(weights_only=True)``.
+* DCP output: dcpx's C writer, one data file per 64 MiB of tensors (or per
+  tensor when larger), then the ``.metadata`` commit.
+
+Keys are flattened FQNs (``a.b.c``), as DCP stores them.  Non-tensor
+values: safetensors cannot hold them; string values go into the header's
+``__metadata__`` under their key, every other one is skipped with a warning
+naming it.  ``__metadata__`` always has ``"format": "pt"`` (what
+``transformers`` checks).
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import io
+import json
+import os
+import pickle
+import re
+import struct
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ._common import (
+    SAFETENSORS_INDEX,
+    CliError,
+    Entry,
+    Source,
+    dtype_name,
+    human,
+    need_safetensors,
+    open_source,
+    progress,
+    warn,
+)
+
+HELP = "convert between DCP, torch.save and safetensors (single or sharded), streaming"
+
+#: bytes of tensors gathered into one DCP data file (one tensor when larger)
+DCP_FILE_BYTES = 64 << 20
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000000' -> bytes (decimal units as Hugging
+    Face's ``max_shard_size``, binary ones with 'i')."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise CliError(f"cannot read the size {text!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
+    n, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary else 1000
+    return int(n * base ** " KMGT".index(unit or " "))
+
+
+def output_format(dst: str, to: Optional[str], sharded: bool) -> str:
+    if to:
+        return to
+    if dst.endswith(".safetensors"):
+        return "safetensors"
+    if dst.endswith(_TORCH_SUFFIXES):
+        return "torch"
+    return "safetensors" if sharded else "dcp"
+
+
+# -- bytes of a tensor, without a copy ------------------------------------
+
+def _write_tensor(f, t: torch.Tensor) -> None:
+    t = t.detach().cpu()
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg().contiguous()
+    n = t.numel() * t.element_size()
+    if n:
+        f.write((ctypes.c_char * n).from_address(t.data_ptr()))
+
+
+def _check(key: str, t: Any, e: Entry) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != e.dtype or tuple(t.shape) != e.shape:
+        raise CliError(f"key {key!r}: read {getattr(t, 'dtype', type(t).__name__)}"
+                       f"{list(getattr(t, 'shape', ()))}, its metadata says "
+                       f"{dtype_name(e.dtype)}{list(e.shape)}")
+    return t
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp.{os.getpid()}")
+
+
+# -- safetensors ----------------------------------------------------------
+
+def _st_names() -> dict:
+    need_safetensors()
+    from safetensors.torch import _TYPES
+    return {dtype: name for name, dtype in _TYPES.items()}
+
+
+def _split_values(src: Source, entries: dict) -> tuple[list, dict]:
+    """(tensor entries, string metadata) for a safetensors output; warns
+    about every value it skips."""
+    tensors = [e for e in entries.values() if e.is_tensor]
+    meta: dict[str, str] = {"format": "pt"}
+    skipped = []
+    for e in entries.values():
+        if e.is_tensor:
+            continue
+        v = src.read(e.key)
+        if isinstance(v, str) and e.key not in meta:
+            meta[e.key] = v
+        else:
+            skipped.append(f"{e.key} ({type(v).__name__})")
+    if skipped:
+        warn(f"safetensors holds only tensors (and string metadata): skipped "
+             f"{len(skipped)} value(s): {', '.join(skipped)}")
+    names = _st_names()
+    bad = [f"{e.key} ({dtype_name(e.dtype)})" for e in tensors if e.dtype not in names]
+    if bad:
+        raise CliError(f"safetensors has no dtype for: {', '.join(bad)} (it supports "
+                       f"{', '.join(sorted(dtype_name(d) for d in names))})")
+    return tensors, meta
+
+
+def _write_safetensors_file(src: Source, path: Path, tensors: list, meta: dict, bar) -> int:
+    names = _st_names()
+    header: dict[str, Any] = {"__metadata__": meta} if meta else {}
+    off = 0
+    for e in tensors:
+        header[e.key] = {"dtype": names[e.dtype], "shape": list(e.shape),
+                         "data_offsets": [off, off + e.nbytes]}
+        off += e.nbytes
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)   # the data starts 8-byte aligned, as the library writes it
+    tmp = _tmp(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(h)))
+            f.write(h)
+            for e in tensors:
+                t = _check(e.key, src.read(e.key), e)
+                _write_tensor(f, t)
+                src.release(e.key, t)
+                del t
+                bar.update(e.nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return off
+
+
+def _unlink(p: Path) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
+
+
+def to_safetensors(src: Source, dst: Path, max_shard: Optional[int], bar_on: bool) -> str:
+    entries = src.entries()
+    tensors, meta = _split_values(src, entries)
+    total = sum(e.nbytes for e in tensors)
+    with progress(total, "convert", enabled=bar_on) as bar:
+        if max_shard is None:
+            _write_safetensors_file(src, dst, tensors, meta, bar)
+            return f"{len(tensors)} tensors ({human(total)}) -> {dst}"
+        shards: list[list[Entry]] = [[]]
+        size = 0
+        for e in tensors:
+            if shards[-1] and size + e.nbytes > max_shard:
+                shards.append([])
+                size = 0
+            shards[-1].append(e)
+            size += e.nbytes
+        dst.mkdir(parents=True, exist_ok=True)
+        n = len(shards)
+        weight_map = {}
+        for i, group in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            _write_safetensors_file(src, dst / name, group, meta, bar)
+            weight_map.update({e.key: name for e in group})
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        tmp = _tmp(dst / SAFETENSORS_INDEX)
+        tmp.write_text(json.dumps(index, indent=2) + "\n")
+        os.replace(tmp, dst / SAFETENSORS_INDEX)
+        for old in dst.glob("model-*-of-*.safetensors"):   # shards of an overwritten export
+            if old.name not in set(weight_map.values()):
+                _unlink(old)
+        return f"{len(tensors)} tensors ({human(total)}) in {n} shard(s) -> {dst}"
+
+
+# -- torch.save -----------------------------------------------------------
+
+class _TensorRef:
+    """Stands for a tensor in data.pkl; pickles as torch.save pickles it."""
+    __slots__ = ("key", "dtype", "shape")
+
+    def __init__(self, key: str, dtype: torch.dtype, shape: tuple):
+        self.key, self.dtype, self.shape = key, dtype, shape
+
+
+class _StorageRef:
+    __slots__ = ("key", "stype", "numel")
+
+    def __init__(self, key: str, stype: Any, numel: int):
+        self.key, self.stype, self.numel = key, stype, numel
+
+
+def _strides(shape: tuple) -> tuple:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+class _Pickler(pickle.Pickler):
+    """torch.save's pickler, for tensors that are not in memory: the same
+    reduce (torch.Tensor._reduce_ex_internal) and persistent ids
+    (torch.serialization._save)."""
+
+    def __init__(self, f):
+        super().__init__(f, protocol=2)   # torch.serialization.DEFAULT_PROTOCOL
+        self.order: list[_TensorRef] = []
+        self._v3 = torch.storage._new_dtypes()
+        self._legacy = torch.storage._dtype_to_storage_type_map()
+
+    def reducer_override(self, obj):
+        if not isinstance(obj, _TensorRef):
+            return NotImplemented
+        key = str(len(self.order))
+        self.order.append(obj)
+        numel = 1
+        for s in obj.shape:
+            numel *= s
+        hooks = collections.OrderedDict()
+        if obj.dtype in self._v3 or obj.dtype not in self._legacy:
+            st = _StorageRef(key, torch.UntypedStorage, numel * obj.dtype.itemsize)
+            return (torch._utils._rebuild_tensor_v3,
+                    (st, 0, tuple(obj.shape), _strides(obj.shape), False, hooks, obj.dtype))
+        st = _StorageRef(key, getattr(torch, self._legacy[obj.dtype]), numel)
+        return (torch._utils._rebuild_tensor_v2,
+                (st, 0, tuple(obj.shape), _strides(obj.shape), False, hooks))
+
+    def persistent_id(self, obj):
+        if isinstance(obj, _StorageRef):
+            return ("storage", obj.stype, obj.key, "cpu", obj.numel)
+        return None
+
+
+def _weights_only_refusal(v: Any) -> Optional[str]:
+    """Why ``torch.load(weights_only=True)`` would refuse the value (dcpx's
+    own allow-list also admits numpy arrays, deques, Namespaces, ...), or
+    None."""
+    buf = io.BytesIO()
+    torch.save(v, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()
+        found = [ln.strip() for ln in first if "GLOBAL" in ln or "Unsupported" in ln]
+        return (found[0] if found else f"{type(v).__name__}")[:200]
+    return None
+
+
+def _check_loads(tmp: Path, dst: Path) -> None:
+    """The finished file loads with torch.load(weights_only=True) (mapped,
+    so no tensor data is read)."""
+    try:
+        got = torch.load(tmp, map_location="cpu", weights_only=True, mmap=True)
+        del got
+    except Exception as e:
+        raise CliError(f"{dst}: the written file does not load with torch.load("
+                       f"weights_only=True): {e}") from e
+
+
+def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
+    from ..filesystem import check_saveable
+    entries = src.entries()
+    obj: dict[str, Any] = {}
+    skipped = []
+    for e in entries.values():
+        if e.is_tensor:
+            check_saveable(torch.empty(0, dtype=e.dtype), e.key)
+            obj[e.key] = _TensorRef(e.key, e.dtype, e.shape)
+        else:
+            v = src.read(e.key)
+            why = _weights_only_refusal(v)
+            if why:
+                skipped.append(f"{e.key} ({why})")
+            else:
+                obj[e.key] = v
+    if skipped:
+        warn(f"torch.load(weights_only=True) would refuse these values, so they are "
+             f"skipped: {'; '.join(skipped)} (a DCP output keeps them)")
+    buf = io.BytesIO()
+    p = _Pickler(buf)
+    p.dump(obj)
+    order = p.order
+    data = buf.getvalue()
+    total = sum(entries[r.key].nbytes for r in order)
+    align = str(getattr(torch.serialization, "_get_storage_alignment", lambda: 64)())
+    tmp = _tmp(dst)
+    try:
+        with open(tmp, "wb") as f, progress(total, "convert", enabled=bar_on) as bar:
+            w = torch._C.PyTorchFileWriter(f, True, int(align))
+            ended = False
+            try:
+                w.write_record("data.pkl", data, len(data))
+                w.write_record(".format_version", "1", 1)
+                w.write_record(".storage_alignment", align, len(align))
+                w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+                for i, ref in enumerate(order):
+                    e = entries[ref.key]
+                    t = _check(e.key, src.read(e.key), e).detach().cpu()
+                    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+                        t = t.resolve_conj().resolve_neg().contiguous()
+                    storage = t.untyped_storage()
+                    if t.storage_offset() or storage.nbytes() != e.nbytes:
+                        storage = t.clone().untyped_storage()   # a view: this tensor's bytes only
+                    w.write_record(f"data/{i}", storage, e.nbytes)
+                    src.release(e.key, t)
+                    del storage
+                    del t
+                    bar.update(e.nbytes)
+                ended = True
+                w.write_end_of_file()
+            finally:
+                # A writer left unfinished writes its end in its destructor,
+                # after the file is closed, and aborts the process: end it
+                # here (the file is removed on an error).
+                if not ended:
+                    try:
+                        w.write_end_of_file()
+                    except Exception:
+                        pass
+                del w
+            f.flush()
+            os.fsync(f.fileno())
+        _check_loads(tmp, dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        _unlink(tmp)
+        raise
+    return f"{len(order)} tensors, {len(obj) - len(order)} other values ({human(total)}) -> {dst}"
+
+
+# -- DCP --------------------------------------------------------------------
+
+def to_dcp(src: Source, dst: Path, bar_on: bool) -> str:
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from ..filesystem import DCP_VERSION, FileSystemWriter, _Entry, tensor_payload, value_payload
+    entries = src.entries()
+    writer = FileSystemWriter(dst)
+    writer.set_up_storage_writer(True)
+    writer._prepare_dir()
+    prefix = writer._prefix(0)
+    sdm: dict[str, Any] = {}
+    storage: dict = {}
+    batch: list = []
+    nbatch = 0
+    pending = 0
+    total = sum(e.nbytes for e in entries.values() if e.is_tensor)
+
+    held: list = []     # (key, tensor) of the batch, released once written
+
+    def flush() -> None:
+        nonlocal batch, nbatch, pending, held
+        if not batch:
+            return
+        results = writer.write_entries(f"{prefix}{nbatch}_", batch).start().wait()
+        storage.update({r.index: r.storage_data for r in results})
+        nbatch += 1
+        batch, pending = [], 0
+        for key, t in held:
+            src.release(key, t)
+        held = []
+
+    with progress(total, "convert", enabled=bar_on) as bar:
+        for e in entries.values():
+            if pending and pending + e.nbytes > DCP_FILE_BYTES:
+                flush()     # before reading the next one: one batch in memory
+            v = src.read(e.key)
+            if e.is_tensor:
+                t = _check(e.key, v, e)
+                held.append((e.key, t))
+                zero = torch.Size([0] * t.dim())
+                sdm[e.key] = TensorStorageMetadata(
+                    properties=TensorProperties.create_from_tensor(t), size=t.shape,
+                    chunks=[ChunkStorageMetadata(offsets=zero, sizes=t.shape)])
+                batch.append(_Entry(MetadataIndex(e.key, zero), tensor_payload(t, e.key), e.nbytes))
+                pending += e.nbytes
+                bar.update(e.nbytes)
+                del t       # the batch holds it until written, nothing else
+            else:
+                payload = value_payload(v, e.key)
+                sdm[e.key] = BytesStorageMetadata()
+                batch.append(_Entry(MetadataIndex(e.key), payload, len(payload)))
+                pending += len(payload)
+            del v
+        flush()
+        del held
+    paths = src.paths()
+    md = Metadata(state_dict_metadata=sdm, planner_data={k: paths.get(k, (k,)) for k in sdm},
+                  storage_data=storage)
+    md.storage_meta = writer.storage_meta()
+    md.version = DCP_VERSION
+    writer.commit(md)
+    n_t = sum(1 for e in entries.values() if e.is_tensor)
+    return (f"{n_t} tensors, {len(entries) - n_t} other values ({human(total)}) in "
+            f"{nbatch} data file(s) -> {dst}")
+
+
+class _Selected(Source):
+    """The keys of ``src`` that start with one of ``only`` (all when empty),
+    renamed without ``strip`` (e.g. export ``model.*`` of a training
+    checkpoint as the model's own state dict)."""
+
+    def __init__(self, src: Source, only: list, strip: Optional[str]):
+        self.src, self.kind, self.path = src, src.kind, src.path
+        self._map: dict[str, str] = {}
+        for k in src.entries():
+            if only and not any(k.startswith(p) for p in only):
+                continue
+            new = k[len(strip):] if strip and k.startswith(strip) else k
+            if not new:
+                raise CliError(f"--strip-prefix {strip!r} leaves the key {k!r} empty")
+            if new in self._map:
+                raise CliError(f"keys {self._map[new]!r} and {k!r} both become {new!r}")
+            self._map[new] = k
+        if not self._map:
+            raise CliError(f"no key starts with {' or '.join(map(repr, only))}")
+
+    def entries(self) -> dict[str, Entry]:
+        e = self.src.entries()
+        return {new: e[old]._replace(key=new) for new, old in self._map.items()}
+
+    def paths(self) -> dict[str, tuple]:
+        return {new: (new,) for new in self._map}
+
+    def read(self, key: str) -> Any:
+        return self.src.read(self._map[key])
+
+    def release(self, key: str, value: Any) -> None:
+        self.src.release(self._map[key], value)
+
+
+def convert(src_path: str, dst_path: str, *, to: Optional[str] = None,
+            src_format: Optional[str] = None, max_shard_size: Optional[str] = None,
+            overwrite: bool = False, only: Optional[list] = None,
+            strip_prefix: Optional[str] = None, show_progress: bool = False, out=None) -> int:
+    out = out or sys.stdout
+    max_shard = parse_size(max_shard_size) if max_shard_size else None
+    fmt = output_format(dst_path, to, max_shard is not None)
+    if max_shard is not None and fmt != "safetensors":
+        raise CliError("--max-shard-size is for safetensors output")
+    if max_shard is not None and max_shard <= 0:
+        raise CliError("--max-shard-size must be positive")
+    dst = Path(dst_path)
+    if dst.exists() and not overwrite and (not dst.is_dir() or any(dst.iterdir())):
+        raise CliError(f"{dst}: exists (pass --overwrite to replace it)")
+    if fmt == "safetensors" and max_shard is None and dst.is_dir():
+        raise CliError(f"{dst}: is a directory; a single safetensors output is a file "
+                       f"(or pass --max-shard-size for shards in a directory)")
+    src = open_source(src_path, src_format)
+    if only or strip_prefix:
+        src = _Selected(src, list(only or []), strip_prefix)
+    if fmt == "safetensors":
+        what = to_safetensors(src, dst, max_shard, show_progress)
+    elif fmt == "torch":
+        what = to_torch(src, dst, show_progress)
+    else:
+        what = to_dcp(src, dst, show_progress)
+    print(f"{src.kind} {src_path}: {what}", file=out)
+    return 0
+
+
+def add_parser(sub, **common) -> None:
+    p = sub.add_parser("convert", help=HELP, description=HELP + ".", **common)
+    p.add_argument("src", help="a DCP directory, a torch.save file, a .safetensors file, "
+                               "or a directory / index.json of safetensors shards")
+    p.add_argument("dst")
+    p.add_argument("--to", choices=["dcp", "torch", "safetensors"],
+                   help="output format (default: from DST: *.safetensors or "
+                        "--max-shard-size: safetensors; *.pt, *.pth, *.bin, *.ckpt: "
+                        "torch; otherwise a DCP directory)")
+    p.add_argument("--from", dest="src_format", choices=["dcp", "torch", "safetensors"],
+                   help="input format (default: detected)")
+    p.add_argument("--max-shard-size", metavar="SIZE",
+                   help="safetensors shards of at most SIZE (e.g. 5GB) each in directory DST, "
+                        "with model.safetensors.index.json (a tensor larger than SIZE gets "
+                        "a shard of its own)")
+    p.add_argument("--only", action="append", metavar="PREFIX",
+                   help="convert only the keys that start with PREFIX (repeatable)")
+    p.add_argument("--strip-prefix", metavar="PREFIX",
+                   help="remove PREFIX from the start of the keys that have it")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    return convert(args.src, args.dst, to=args.to, src_format=args.src_format,
+                   max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                   only=args.only, strip_prefix=args.strip_prefix, show_progress=True)

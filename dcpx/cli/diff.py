@@ -1,0 +1,115 @@
+"""``dcpx diff A B``: how two checkpoints differ (any formats the CLI reads:
+DCP directories, ``torch.save`` files, safetensors files or sharded
+directories).  Keys added and removed, dtype and shape changes; with
+``--values``, tensor values (bit for bit, or within ``--rtol``/``--atol``)
+and non-tensor values, read one key at a time from both sides."""
+from __future__ import annotations
+
+import pickle
+import sys
+from typing import Any
+
+import torch
+
+from ._common import dtype_name, open_source, progress
+
+HELP = "compare two checkpoints: keys, dtypes, shapes, optionally values"
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple:
+    """(equal, detail)."""
+    if rtol == 0 and atol == 0:
+        ua = a.contiguous().reshape(-1).view(torch.uint8)
+        ub = b.contiguous().reshape(-1).view(torch.uint8)
+        if torch.equal(ua, ub):
+            return True, ""
+        n = int((ua != ub).reshape(-1, a.element_size()).any(dim=1).sum())
+        return False, f"{n} of {a.numel()} elements differ bitwise"
+    wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
+    x, y = a.to(wide), b.to(wide)
+    close = torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
+    if bool(close.all()):
+        return True, ""
+    bad = ~close
+    worst = float((x - y).abs()[bad].max()) if bad.any() else 0.0
+    return False, (f"{int(bad.sum())} of {a.numel()} elements outside rtol={rtol} "
+                   f"atol={atol} (max abs difference {worst:g})")
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """``a == b`` when that is a plain bool; else (numpy arrays, ...) equal
+    pickles."""
+    try:
+        r = a == b
+        if isinstance(r, bool):
+            return r
+    except Exception:
+        pass
+    try:
+        return type(a) is type(b) and pickle.dumps(a, protocol=4) == pickle.dumps(b, protocol=4)
+    except Exception:
+        return False
+
+
+def diff(a_path: str, b_path: str, *, values: bool = False, rtol: float = 0.0,
+         atol: float = 0.0, out=None, show_progress: bool = False) -> int:
+    """Print the differences; return how many keys differ."""
+    out = out or sys.stdout
+    a, b = open_source(a_path), open_source(b_path)
+    ea, eb = a.entries(), b.entries()
+    n = 0
+    for k in sorted(ea.keys() - eb.keys()):
+        print(f"- {k}", file=out)
+        n += 1
+    for k in sorted(eb.keys() - ea.keys()):
+        print(f"+ {k}", file=out)
+        n += 1
+    compare = []
+    for k in sorted(ea.keys() & eb.keys()):
+        x, y = ea[k], eb[k]
+        if x.is_tensor != y.is_tensor:
+            what = lambda e: f"tensor {dtype_name(e.dtype)}{list(e.shape)}" if e.is_tensor else "value"
+            print(f"~ {k}: {what(x)} -> {what(y)}", file=out)
+            n += 1
+            continue
+        if x.is_tensor and (x.dtype != y.dtype or x.shape != y.shape):
+            print(f"~ {k}: {dtype_name(x.dtype)}{list(x.shape)} -> "
+                  f"{dtype_name(y.dtype)}{list(y.shape)}", file=out)
+            n += 1
+            continue
+        compare.append(k)
+    if values:
+        with progress(sum(ea[k].nbytes for k in compare), "diff", enabled=show_progress) as bar:
+            for k in compare:
+                va, vb = a.read(k), b.read(k)
+                if isinstance(va, torch.Tensor):
+                    same, detail = _same_values(va, vb, rtol, atol)
+                else:
+                    same, detail = _same_value(va, vb), f"{va!r} -> {vb!r}"
+                if not same:
+                    print(f"~ {k}: {detail}", file=out)
+                    n += 1
+                bar.update(ea[k].nbytes)
+                a.release(k, va)
+                b.release(k, vb)
+                del va, vb
+    what = "keys and values" if values else "keys, dtypes and shapes"
+    print(f"{n} difference(s) ({len(ea)} keys in A, {len(eb)} in B; compared {what})", file=out)
+    return n
+
+
+def add_parser(sub, **common) -> None:
+    p = sub.add_parser("diff", help=HELP, description=HELP + ".", **common)
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--values", action="store_true",
+                   help="also compare values (tensors bit for bit unless --rtol/--atol)")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (implies --values)")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (implies --values)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    values = args.values or args.rtol > 0 or args.atol > 0
+    return 1 if diff(args.a, args.b, values=values, rtol=args.rtol, atol=args.atol,
+                     show_progress=True) else 0

@@ -1,0 +1,109 @@
+"""``dcpx ls ROOT``: the checkpoints under a run's root directory.
+
+Step folders are ``step-{N}`` (torchtitan's naming, which
+``dcpx.CheckpointManager`` uses too); any other directory holding a DCP
+checkpoint, committed or not, is listed after them.  A checkpoint is
+committed when its ``.metadata`` exists: dcpx and torch write it last, by
+an atomic rename, so a directory with data files and no ``.metadata`` is a
+save that is still running or was interrupted."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from .._metadata import METADATA_FN
+from ._common import NoCheckpoint, human
+
+HELP = "list the checkpoints under a directory: step, size, committed or not, age"
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= n:
+            return f"{seconds / n:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _looks_like_checkpoint(d: Path) -> bool:
+    try:
+        return any(n == METADATA_FN or n.endswith(".distcp") or n.startswith(METADATA_FN)
+                   for n in os.listdir(d))
+    except OSError:
+        return False
+
+
+def describe(d: Path, now: float) -> dict:
+    size = 0
+    newest = 0.0
+    try:
+        names = os.listdir(d)
+    except OSError:
+        names = []
+    for n in names:
+        try:
+            st = os.stat(d / n, follow_symlinks=False)
+        except OSError:
+            continue
+        size += st.st_size
+        newest = max(newest, st.st_mtime)
+    meta = d / METADATA_FN
+    committed = meta.is_file()
+    when = meta.stat().st_mtime if committed else (newest or d.stat().st_mtime)
+    m = _STEP.match(d.name)
+    return {"name": d.name, "step": int(m.group(1)) if m else None, "bytes": size,
+            "committed": committed, "mtime": when, "age_s": round(now - when, 3)}
+
+
+def list_root(root: str) -> list[dict]:
+    r = Path(root)
+    if not r.exists():
+        raise NoCheckpoint(f"{r}: no such directory")
+    if not r.is_dir():
+        raise NoCheckpoint(f"{r}: not a directory")
+    now = time.time()
+    if _looks_like_checkpoint(r):          # ROOT is itself a checkpoint
+        row = describe(r, now)
+        row["name"] = str(r)
+        return [row]
+    rows = []
+    for name in os.listdir(r):
+        d = r / name
+        if d.is_dir() and not d.is_symlink() and (_STEP.match(name) or _looks_like_checkpoint(d)):
+            rows.append(describe(d, now))
+    rows.sort(key=lambda x: (x["step"] is None, x["step"] if x["step"] is not None else 0,
+                             x["name"]))
+    return rows
+
+
+def add_parser(sub, **common) -> None:
+    p = sub.add_parser("ls", help=HELP, description=HELP + ".", **common)
+    p.add_argument("root")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args, out=None) -> int:
+    out = out or sys.stdout
+    rows = list_root(args.root)
+    if args.json:
+        json.dump(rows, out, indent=1)
+        print(file=out)
+        return 0
+    if not rows:
+        print(f"{args.root}: no checkpoints", file=out)
+        return 0
+    w = max(len(r["name"]) for r in rows)
+    print(f"{'NAME':<{w}}  {'STEP':>8}  {'SIZE':>10}  {'COMMITTED':<9}  AGE", file=out)
+    for r in rows:
+        step: Optional[int] = r["step"]
+        print(f"{r['name']:<{w}}  {'-' if step is None else step:>8}  {human(r['bytes']):>10}  "
+              f"{'yes' if r['committed'] else 'no':<9}  {_age(r['age_s'])}", file=out)
+    return 0
