@@ -509,3 +509,42 @@ def test_handler_only_sets_flag(tmp_path):
     m.close()
     assert signal.getsignal(signal.SIGUSR1) is before
     assert CheckpointManager(tmp_path).all_steps() == [3]
+
+
+# ------------------------------------------------------------ docs recipe
+
+def _recipe_code() -> str:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "manager.md").read_text()
+    block = text.split("<!-- recipe: fsdp2 -->", 1)[1]
+    return block.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _run_recipe(rank: int, world: int, workdir: str, code: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    warnings.simplefilter("ignore")
+    ns: dict = {}
+    exec(compile(code, "docs/manager.md (recipe)", "exec"), ns)
+
+    def weights(model):
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for k, v in model.state_dict().items()}
+
+    model, start_a = ns["train"](os.path.join(workdir, "a"), 10)
+    ref = weights(model)
+    _, start_b = ns["train"](os.path.join(workdir, "b"), 10, stop_after=6)  # the job ends after step 6
+    dist.barrier()
+    after_stop = CheckpointManager(os.path.join(workdir, "b")).all_steps()
+    model, start_c = ns["train"](os.path.join(workdir, "b"), 10)
+    resumed = weights(model)
+    dist.barrier()
+    same = all(torch.equal(ref[k].view(torch.uint8), resumed[k].view(torch.uint8)) for k in ref)
+    return {"same": same, "starts": [start_a, start_b, start_c], "after_stop": after_stop,
+            "final": CheckpointManager(os.path.join(workdir, "b")).all_steps()}
+
+
+@pytest.mark.dist
+def test_fsdp2_recipe_from_docs(tmp_path):
+    for r in spawn(_run_recipe, 2, str(tmp_path), _recipe_code()):
+        assert r == {"same": True, "starts": [0, 0, 6], "after_stop": [4, 6], "final": [8, 10]}
