@@ -25,8 +25,7 @@ import time
 import uuid
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
@@ -417,8 +416,15 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the loop's own exception goes on; a failed save must not replace it
+            self.close()
+        except Exception as e:
+            warnings.warn(f"dcpx.CheckpointManager: closing after {exc_type.__name__}: the save "
+                          f"in flight failed too: {e}", RuntimeWarning)
 
     # ---------------------------------------------------------- retention
     def steps_to_delete(self) -> list[int]:

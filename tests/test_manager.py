@@ -356,8 +356,10 @@ def _kill_child(root: str) -> None:
 
 def test_random_kills_never_leave_zero_loadable_steps(tmp_path):
     """SIGKILL a process that saves every step with keep_latest_k=1 at a
-    random moment, many times: once a step committed, some step always
-    loads (full check), with the values of its step."""
+    random moment, many times: every step listed as committed passes the
+    full check (a killed save or deletion never leaves a step that looks
+    complete and is not), and once a step committed, some step always loads,
+    with the values of its step."""
     ctx = mp.get_context("fork")
     rng = random.Random(int(os.environ.get("DCPX_MANAGER_KILL_SEED", "13")))
     committed_once = False
@@ -378,6 +380,8 @@ def test_random_kills_never_leave_zero_loadable_steps(tmp_path):
         else:
             seen["clean"] += 1
         m = CheckpointManager(tmp_path, verify="full")
+        for s in m.all_steps():  # a step that looks complete is complete (committed => intact)
+            assert m._check(s) is None, f"trial {trial}: step-{s}: {m._check(s)}"
         sd = _empty()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", StepSkippedWarning)
