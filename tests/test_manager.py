@@ -552,3 +552,25 @@ def _run_recipe(rank: int, world: int, workdir: str, code: str) -> dict:
 def test_fsdp2_recipe_from_docs(tmp_path):
     for r in spawn(_run_recipe, 2, str(tmp_path), _recipe_code()):
         assert r == {"same": True, "starts": [0, 0, 6], "after_stop": [4, 6], "final": [8, 10]}
+
+
+def _two_ranks_preempted(rank: int, world: int, root: str) -> dict:
+    """Only rank 1 gets the signal (after its step 3): both ranks agree on
+    it at the next save(), write the same final step and stop together."""
+    warnings.simplefilter("ignore")
+    with CheckpointManager(root, save_interval_steps=5, preemption=True,
+                           preemption_signals=(signal.SIGUSR1,)) as m:
+        for step in range(1, 100):
+            if rank == 1 and step == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            m.save(step, {f"r{rank}": _state(step)})
+            if m.preempted:
+                break
+    return {"stopped": step, "steps": CheckpointManager(root).all_steps(),
+            "signal": m.preemption_signal}
+
+
+@pytest.mark.dist
+def test_two_ranks_preemption_agreed(tmp_path):
+    r0, r1 = spawn(_two_ranks_preempted, 2, str(tmp_path))
+    assert r0 == r1 == {"stopped": 3, "steps": [3], "signal": signal.SIGUSR1}
