@@ -336,12 +336,15 @@ class CheckpointManager:
         with self._lock:
             self._writing.add(step)
         kw: dict[str, Any] = {"process_group": self.process_group}
-        if isinstance(self._root, _FsspecRoot):
-            kw["storage_writer"] = self._root.writer(name)
-        else:
-            kw["checkpoint_id"] = self._root.checkpoint_id(name)
         mode = _MODES[self.async_mode]
         try:
+            if isinstance(self._root, _FsspecRoot):
+                kw["storage_writer"] = self._root.writer(name)
+            else:
+                kw["checkpoint_id"] = self._root.checkpoint_id(name)
+                # The step folder is made here, by every rank, before the save: a
+                # multi-rank save then never depends on which rank creates it.
+                os.makedirs(kw["checkpoint_id"], exist_ok=True)
             if mode is None:
                 result = _save(state_dict, **kw)
                 self._saved(step, None)
