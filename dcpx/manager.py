@@ -37,7 +37,7 @@ from .filesystem import LOCAL_PROTOCOLS, FileSystemReader, local_path, url_proto
 __all__ = ["CheckpointManager", "StepSkippedWarning"]
 
 #: a step folder: ``step-{N}`` (torchtitan's ``_create_checkpoint_id``)
-STEP_RE = re.compile(r"^step-(\d+)$")
+STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 #: a step being deleted (renamed first, so that it is never seen as a step)
 DELETING_PREFIX = ".deleting-"
 _METADATA = ".metadata"

@@ -100,10 +100,10 @@ def test_empty_root_loads_nothing(tmp_path):
 
 
 def test_foreign_names_ignored(tmp_path):
-    """torchtitan's step-{N} only: other names (step_100, step-x) are not steps."""
+    """torchtitan's step-{N} only: other names (step_100, step-x, step-007) are not steps."""
     with CheckpointManager(tmp_path, async_mode="sync") as m:
         m.save(5, _state(5))
-    for name in ("step_100", "step-x", "step-"):
+    for name in ("step_100", "step-x", "step-", "step-007", "step--1"):
         (tmp_path / name).mkdir()
         (tmp_path / name / ".metadata").write_bytes(b"junk")
     assert CheckpointManager(tmp_path).all_steps() == [5]
