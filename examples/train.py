@@ -198,7 +198,6 @@ class Checkpointer:
             f"upload finished {rec['upload_ms']:.0f} ms after async_save returned")
         log_event(self.log, rec)
 
-
     def close(self) -> None:
         self.wait()
         self.stager.close()
