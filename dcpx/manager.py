@@ -593,33 +593,38 @@ class CheckpointManager:
     # --------------------------------------------------------- preemption
     @property
     def preempted(self) -> bool:
-        """True once a preemption signal arrived (the loop checks it).  With
-        a process group: once it arrived on any rank, as of the last
-        :meth:`save` call (the same on every rank, so that every rank
-        writes the same final step and leaves the loop at the same step)."""
-        if self._dist() and self._handler_installed:
-            return self._agreed_preempted
-        return self._preempted_signal is not None
+        """True once a preemption signal arrived, as of the last :meth:`save`
+        call: a signal that comes after a save() call is seen at the next
+        one, which writes the final checkpoint, so ``save(); if
+        ckpt.preempted: break`` never leaves without it.  With a process
+        group: once the signal arrived on any rank (the same on every rank,
+        so that every rank writes the same final step and leaves the loop
+        at the same step)."""
+        return self._agreed_preempted
 
     def _sync_preempted(self) -> bool:
-        """With a process group and the handler installed, agree on the
-        flag (one all_reduce of one number per save() call)."""
+        """Take the signal into account (with a process group and the
+        handler installed, agree on it: one all_reduce of one number per
+        save() call)."""
+        if self._agreed_preempted:
+            return True
         if not (self._dist() and self._handler_installed):
-            return self.preempted
-        if not self._agreed_preempted:
-            import torch
-            backend = str(dist.get_backend(self.process_group))
-            device = "cuda" if ("nccl" in backend and "gloo" not in backend) else "cpu"
-            flag = torch.tensor([int(self._preempted_signal or 0)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-            if int(flag.item()):
-                self._agreed_preempted = True
-                if self._preempted_signal is None:
-                    self._preempted_signal = int(flag.item())
+            self._agreed_preempted = self._preempted_signal is not None
+            return self._agreed_preempted
+        import torch
+        backend = str(dist.get_backend(self.process_group))
+        device = "cuda" if ("nccl" in backend and "gloo" not in backend) else "cpu"
+        flag = torch.tensor([int(self._preempted_signal or 0)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        if int(flag.item()):
+            self._agreed_preempted = True
+            if self._preempted_signal is None:
+                self._preempted_signal = int(flag.item())
         return self._agreed_preempted
 
     @property
     def preemption_signal(self) -> Optional[int]:
+        """The signal received (at once, before any save() call), or None."""
         return self._preempted_signal
 
     def _on_signal(self, signum: int, frame: Any) -> None:

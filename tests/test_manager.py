@@ -455,7 +455,7 @@ step = 0
 while True:
     step += 1
     time.sleep(0.02)            # a training step
-    if mode == "stuck" and m.preempted:
+    if mode == "stuck" and m.preemption_signal is not None:
         time.sleep(60)          # a loop that never gets to its save: the deadline ends it
     m.save(step, _state(step))
     if step == 7:
@@ -501,15 +501,18 @@ def test_preemption_deadline(tmp_path):
 
 
 def test_handler_only_sets_flag(tmp_path):
-    """The handler records the signal and does nothing else; close()
-    restores the previous handler."""
+    """The handler records the signal and does nothing else; the next save()
+    writes the final step; close() restores the previous handler."""
     before = signal.getsignal(signal.SIGUSR1)
     m = CheckpointManager(tmp_path, preemption=True, async_mode="sync")
     assert not m.preempted
     os.kill(os.getpid(), signal.SIGUSR1)
-    assert m.preempted and m.preemption_signal == signal.SIGUSR1
+    assert m.preemption_signal == signal.SIGUSR1
     assert m.all_steps() == []  # nothing saved by the handler itself
-    assert m.save(3, _state(3)) is not None  # the loop's save, after the signal
+    # preempted is as of the last save(): a signal after the loop's save() and
+    # before its check is seen at the next save(), which writes the final step
+    assert not m.preempted
+    assert m.save(3, _state(3)) is not None and m.preempted
     m.close()
     assert signal.getsignal(signal.SIGUSR1) is before
     assert CheckpointManager(tmp_path).all_steps() == [3]
