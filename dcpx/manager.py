@@ -382,7 +382,7 @@ class CheckpointManager:
         if (self.keep_latest_k is not None and self._is_deleter()
                 and not self._retention_closed()):
             try:
-                job = self._retention.submit(self._apply_retention)
+                job = self._retention.submit(self._retention_pass)
             except RuntimeError:  # shut down meanwhile
                 return
             self._retention_jobs = [j for j in self._retention_jobs if not j.done()] + [job]
@@ -450,6 +450,16 @@ class CheckpointManager:
             if mtime is not None and now - mtime > self.incomplete_grace_s:
                 doomed.append(s)
         return sorted(doomed)
+
+    def _retention_pass(self) -> list[int]:
+        """A retention pass whose failure (a folder that cannot be renamed...)
+        is a warning: it never fails a save, a wait or a load."""
+        try:
+            return self._apply_retention()
+        except Exception as e:
+            warnings.warn(f"dcpx.CheckpointManager: retention under {self.root} failed: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning)
+            return []
 
     def _apply_retention(self) -> list[int]:
         """One retention pass (on the retention thread); returns the steps
@@ -567,6 +577,7 @@ class CheckpointManager:
         Errors of the state dict itself (a key the checkpoint lacks, a shape
         that differs) are raised at once."""
         self.wait()
+        self.wait_for_retention()  # no step of ours is deleted under the load
         plan = self._candidates(step) if self._is_deleter() else None
         candidates, notes = self._agree(plan)
         for note in notes:

@@ -186,6 +186,23 @@ def test_retention_spares_all_when_newest_unreadable(tmp_path):
     assert m.all_steps() == [1, 2, 3]
 
 
+def test_retention_failure_is_a_warning(tmp_path, monkeypatch):
+    """A deletion that fails (here: the rename) warns; saves and loads go on."""
+    from dcpx import manager as mgr
+
+    def refuse(self, name):
+        raise PermissionError(13, "Permission denied", name)
+
+    monkeypatch.setattr(mgr._LocalRoot, "hide", refuse)
+    with pytest.warns(RuntimeWarning, match="retention under .* failed: PermissionError"):
+        with CheckpointManager(tmp_path, keep_latest_k=1, async_mode="async") as m:
+            for s in (1, 2, 3):
+                m.save(s, _state(s))
+            sd = _empty()
+            assert m.load(sd) == 3 and _step_of(sd) == 3
+    assert m.all_steps() == [1, 2, 3]
+
+
 def test_interrupted_deletion_ignored_and_cleaned(tmp_path):
     """A deletion killed after the rename (or half way through removing the
     files) leaves a .deleting- folder: never a step, removed next pass."""
