@@ -43,6 +43,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .filesystem import FileSystemReader, FileSystemWriter
+from .manager import CheckpointManager
 from .staging import DefaultStager, StagingOptions, release_staging_buffers
 from ._compat import load_state_dict, save_state_dict, torch_public_names
 # (fsspec storage: dcpx's own FsspecWriter / FsspecReader are imported here
@@ -57,6 +58,7 @@ __all__ = [
     "load",
     "AsyncCheckpointerType",
     "AsyncSaveResponse",
+    "CheckpointManager",
     "DefaultStager",
     "StagingOptions",
     "release_staging_buffers",

@@ -1,15 +1,22 @@
 #!/usr/bin/env python3
 """dcpx demo: train a tiny GPT on CPU, checkpoint asynchronously, crash, resume exactly.
 
-    python examples/train.py                    # uses dcpx
+    python examples/train.py                    # uses dcpx and dcpx.CheckpointManager
     python examples/train.py --backend torch    # same run with torch.distributed.checkpoint
 
 With no --phase, this script is the orchestrator. It runs itself twice:
-  1. `--phase train`  trains, async-checkpoints every --ckpt-every steps and is
-                      SIGKILLed right after step --crash-at (a simulated crash);
-  2. `--phase resume` (a fresh process) loads the latest *complete* checkpoint,
+  1. `--phase train`  trains, async-checkpoints every --ckpt-every steps into
+                      <dir>/step-{N}, keeping the newest --keep, and is SIGKILLed
+                      right after step --crash-at (a simulated crash, most likely
+                      while that step's checkpoint is still being written);
+  2. `--phase resume` (a fresh process) loads the latest *intact* checkpoint,
                       replays the steps after it, checks each loss equals the one
                       phase 1 logged, and trains on to --steps.
+With dcpx, dcpx.CheckpointManager does the step folders, the interval, the
+retention (in the background) and the resume (skipping, with a warning, a step
+whose save the kill interrupted, or one that fails its CRC checks). With
+torch, the script does them by hand, as training code does around torch DCP
+(keeping every checkpoint).
 Both phases append to <dir>/events.jsonl; the orchestrator prints a summary from it.
 Single process, no torch.distributed.init_process_group (DCP's "no_dist" mode).
 """
@@ -131,10 +138,11 @@ class AppState(Stateful):
 
 
 class Checkpointer:
-    """async_save with at most one save in flight, timing what each save costs the loop."""
+    """async_save with at most one save in flight, timing what each save costs the loop
+    (by hand: the torch backend)."""
 
-    def __init__(self, dcp: Any, root: Path, log: IO[str], phase: int) -> None:
-        self.dcp, self.root, self.log, self.phase = dcp, root, log, phase
+    def __init__(self, dcp: Any, root: Path, log: IO[str], phase: int, every: int) -> None:
+        self.dcp, self.root, self.log, self.phase, self.every = dcp, root, log, phase, every
         self.pending: Any = None  # upload future of the save in flight
         self.rec: dict[str, Any] = {}
         # One stager for the whole run, as in PyTorch's async recipe: its staging
@@ -150,12 +158,17 @@ class Checkpointer:
     def in_flight(self) -> bool:
         return self.pending is not None and not self.pending.done()
 
+    def _async_save(self, state: dict[str, Any], step: int) -> Any:
+        return self.dcp.async_save(state, checkpoint_id=str(self.root / f"step-{step}"),
+                                   async_stager=self.stager)
+
     def save(self, state: dict[str, Any], step: int) -> None:
+        if step % self.every:
+            return
         t0 = time.perf_counter()
         self.wait()  # like torch's recipe: the previous upload must finish before the next save
         t1 = time.perf_counter()
-        resp = self.dcp.async_save(state, checkpoint_id=str(self.root / f"step_{step:06d}"),
-                                   async_stager=self.stager)
+        resp = self._async_save(state, step)
         if hasattr(resp, "staging_completion"):  # AsyncSaveResponse: staging may still be running;
             resp.staging_completion.result()    # weights must not change until it is done
             upload = resp.upload_completion
@@ -177,7 +190,7 @@ class Checkpointer:
             return
         self.pending.result()  # re-raises a failed upload
         self.pending, rec = None, self.rec
-        path = self.root / f"step_{rec['step']:06d}"
+        path = self.root / f"step-{rec['step']}"
         # result() can return before the done-callback ran; then "now" is the completion time
         rec["upload_ms"] = 1e3 * (rec.pop("t_done", None) or time.perf_counter()) - 1e3 * rec.pop("t_start")
         rec["bytes"] = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -185,14 +198,58 @@ class Checkpointer:
             f"upload finished {rec['upload_ms']:.0f} ms after async_save returned")
         log_event(self.log, rec)
 
+    def close(self) -> None:
+        self.wait()
+        self.stager.close()
+
+
+class ManagedCheckpointer(Checkpointer):
+    """The same, with dcpx.CheckpointManager doing the step folders, the interval and the
+    retention (keep the newest `keep`, deleted on the manager's own thread)."""
+
+    def __init__(self, dcp: Any, root: Path, log: IO[str], phase: int, every: int, keep: int) -> None:
+        super().__init__(dcp, root, log, phase, every)
+        self.manager = dcp.CheckpointManager(root, save_interval_steps=every, keep_latest_k=keep,
+                                             async_stager=self.stager)
+
+    def _async_save(self, state: dict[str, Any], step: int) -> Any:
+        return self.manager.save(step, state)
+
+    def close(self) -> None:
+        super().close()
+        self.manager.close()
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """step-{N} folders, oldest first (by number: step-100 after step-20)."""
+    return sorted((d for d in root.glob("step-*") if d.name[5:].isdigit()), key=lambda d: int(d.name[5:]))
+
 
 def latest_complete(root: Path) -> Path | None:
     """DCP writes .metadata last, so a checkpoint without it was interrupted mid-save."""
-    for d in sorted(root.glob("step_*"), reverse=True):
+    for d in reversed(step_dirs(root)):
         if (d / ".metadata").exists():
             return d
         say(f"  skipping incomplete checkpoint {d.name} (no .metadata)")
     return None
+
+
+def resume(dcp: Any, root: Path, app: "AppState", backend: str) -> str | None:
+    """Load the latest intact checkpoint into app; returns its folder name (None: none)."""
+    if backend == "torch":
+        latest = latest_complete(root)
+        if latest is not None:
+            dcp.load({"app": app}, checkpoint_id=str(latest))
+        return None if latest is None else latest.name
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", dcp.manager.StepSkippedWarning)
+        step = dcp.CheckpointManager(root).load({"app": app})
+    for w in caught:
+        if issubclass(w.category, dcp.manager.StepSkippedWarning):
+            say(f"  {str(w.message).replace('dcpx.CheckpointManager.load: ', '')}")
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    return None if step is None else f"step-{step}"
 
 
 def log_event(log: IO[str], rec: dict[str, Any]) -> None:
@@ -225,18 +282,19 @@ def run_phase(args: argparse.Namespace) -> int:
         say(f"  model: {N_LAYERS}-layer GPT, d_model {D_MODEL}, {n / 1e6:.2f}M params; "
             f"batch {BATCH}x{SEQ} tokens; loss floor of the synthetic data = {data.entropy():.3f}")
     else:
-        latest = latest_complete(root)
+        t0 = time.perf_counter()
+        latest = resume(dcp, root, app, args.backend)
         if latest is None:
             say("  no complete checkpoint found, starting from scratch")
         else:
-            t0 = time.perf_counter()
-            dcp.load({"app": app}, checkpoint_id=str(latest))
-            say(f"  loaded {latest.name} in {1e3 * (time.perf_counter() - t0):.0f} ms -> resuming after "
+            say(f"  loaded {latest} in {1e3 * (time.perf_counter() - t0):.0f} ms -> resuming after "
                 f"step {app.step} (lr {sched.get_last_lr()[0]:.2e})")
         expected = {e["step"]: e["loss"] for e in read_events(root) if e["kind"] == "step" and e["phase"] == 1}
 
     with open(root / "events.jsonl", "a") as log:
-        worst = train_loop(args, phase, app, Checkpointer(dcp, root, log, phase), expected)
+        ckpt = (Checkpointer(dcp, root, log, phase, args.ckpt_every) if args.backend == "torch" else
+                ManagedCheckpointer(dcp, root, log, phase, args.ckpt_every, args.keep))
+        worst = train_loop(args, phase, app, ckpt, expected)
     if expected:
         ok = worst <= LOSS_TOL
         say(f"  resume check: replayed steps match phase 1: {'YES' if ok else 'NO'} (max |diff| {worst:.1e})")
@@ -269,13 +327,11 @@ def train_loop(args: argparse.Namespace, phase: int, app: AppState, ckpt: Checkp
         if step % 5 == 0 or note or step == args.crash_at:
             say(f"  step {step:3d}  loss {lv:.6f}  {1e3 * dt:6.1f} ms{note}")
         ckpt.poll()
-        if step % args.ckpt_every == 0:
-            ckpt.save(state, step)
+        ckpt.save(state, step)  # every --ckpt-every steps
         if phase == 1 and step == args.crash_at:
             say(f"  !!! simulated crash after step {step}: SIGKILL to self (no cleanup, no final save)")
             os.kill(os.getpid(), signal.SIGKILL)
-    ckpt.wait()
-    ckpt.stager.close()
+    ckpt.close()
     return worst
 
 
@@ -299,36 +355,43 @@ def summarize(root: Path, backend: str) -> None:
         "  upload:  from async_save returning until the checkpoint was committed (runs behind training)")
 
 
+def on_disk(root: Path) -> str:
+    names = [d.name + ("" if (d / ".metadata").exists() else " [incomplete]") for d in step_dirs(root)]
+    return ", ".join(names) or "(nothing)"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["dcpx", "torch"], default="dcpx")
-    p.add_argument("--dir", default="runs/demo", help="checkpoint directory (step_* inside are replaced)")
+    p.add_argument("--dir", default="runs/demo", help="checkpoint directory (step-* inside are replaced)")
     p.add_argument("--steps", type=int, default=100, help="total training steps")
-    p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--keep", type=int, default=2, help="checkpoints to keep (dcpx: CheckpointManager's keep_latest_k)")
     p.add_argument("--crash-at", type=int, default=50, help="phase 1 is killed right after this step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--phase", choices=["all", "train", "resume"], default="all", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if not (args.ckpt_every >= 1 and 0 < args.crash_at < args.steps):
-        p.error("need --ckpt-every >= 1 and 0 < --crash-at < --steps")
+    if not (args.ckpt_every >= 1 and args.keep >= 1 and 0 < args.crash_at < args.steps):
+        p.error("need --ckpt-every >= 1, --keep >= 1 and 0 < --crash-at < --steps")
     if args.phase != "all":
         return run_phase(args)
 
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    for old in root.glob("step_*"):  # only our own artifacts: a stale checkpoint would hijack the resume
-        shutil.rmtree(old)
+    for old in [*root.glob("step-*"), *root.glob(".deleting-step-*"), *root.glob("step_*")]:
+        shutil.rmtree(old)  # only our own artifacts: a stale checkpoint would hijack the resume
     (root / "events.jsonl").unlink(missing_ok=True)
     t0 = time.perf_counter()
     base = [sys.executable, __file__, "--backend", args.backend, "--dir", str(root), "--steps", str(args.steps),
-            "--ckpt-every", str(args.ckpt_every), "--crash-at", str(args.crash_at), "--seed", str(args.seed)]
+            "--ckpt-every", str(args.ckpt_every), "--keep", str(args.keep), "--crash-at", str(args.crash_at),
+            "--seed", str(args.seed)]
     rc = subprocess.run(base + ["--phase", "train"]).returncode
     if rc != -signal.SIGKILL:
         say(f"phase 1 exited with {rc}, expected to be killed by SIGKILL")
         return 1
-    on_disk = sorted(d.name + ("" if (d / ".metadata").exists() else " [incomplete]") for d in root.glob("step_*"))
-    say(f"\n  (orchestrator) phase 1 died with SIGKILL as planned; on disk: {', '.join(on_disk) or '(nothing)'}")
+    say(f"\n  (orchestrator) phase 1 died with SIGKILL as planned; on disk: {on_disk(root)}")
     rc = subprocess.run(base + ["--phase", "resume"]).returncode
+    say(f"\n  (orchestrator) on disk after phase 2: {on_disk(root)}")
     summarize(root, args.backend)
     say(f"\n  total wall time {time.perf_counter() - t0:.1f} s; checkpoints in {root}/; "
         f"result: {'OK' if rc == 0 else 'FAILED'}")

@@ -1,0 +1,691 @@
+"""dcpx.CheckpointManager: step folders, retention, resume from the newest
+intact step, preemption.  Built on dcpx's public save / async_save / load
+and on what dcpx knows about a checkpoint: a step is *committed* when its
+``.metadata`` exists (written last, atomically: docs/reliability.md), and
+*intact* when every record's CRC-32 checks.
+
+Layout (torchtitan's, so either tool resumes the other's runs)::
+
+    root/step-100/.metadata, __0_0.distcp, ...
+    root/step-200/...
+
+docs/manager.md has the API, the retention rules, what is guaranteed when
+the process is killed, and the preemption recipes (SLURM, Kubernetes).
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+import uuid
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional, Sequence, Union
+
+import torch.distributed as dist
+
+from ._api import load as _load, save as _save
+from ._async import AsyncCheckpointerType, async_save as _async_save
+from .errors import CheckpointError, CorruptCheckpointError
+from .filesystem import LOCAL_PROTOCOLS, FileSystemReader, local_path, url_protocol
+
+__all__ = ["CheckpointManager", "StepSkippedWarning"]
+
+#: a step folder: ``step-{N}`` (torchtitan's ``_create_checkpoint_id``)
+STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
+#: a step being deleted (renamed first, so that it is never seen as a step)
+DELETING_PREFIX = ".deleting-"
+_METADATA = ".metadata"
+_MODES = {"sync": None, "async": AsyncCheckpointerType.THREAD,
+          "process": AsyncCheckpointerType.PROCESS}
+
+
+class StepSkippedWarning(UserWarning):
+    """``CheckpointManager.load`` passed over a step: the message names it
+    and says why (not committed, corrupt, a file missing...)."""
+
+
+def _verify_checkpoint():
+    """The CLI's ``verify`` (every record's CRC-32, every value), shared:
+    the manager's full check is exactly what ``dcpx verify`` reports."""
+    try:  # the CLI as a package (dcpx/cli/)
+        from .cli import verify_checkpoint  # type: ignore[attr-defined]
+    except ImportError:
+        from .__main__ import verify_checkpoint
+    return verify_checkpoint
+
+
+def _step_dir(step: int) -> str:
+    return f"step-{int(step)}"
+
+
+# ------------------------------------------------------------------ storage
+
+class _LocalRoot:
+    """A root on the local file system: a step is deleted by renaming it to
+    a ``.deleting-`` name first (atomic: it stops being a step at once),
+    then removing the tree."""
+
+    def __init__(self, root: Union[str, os.PathLike]) -> None:
+        self.path = local_path(root)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def checkpoint_id(self, name: str) -> str:
+        return str(self.path / name)
+
+    def names(self) -> list[str]:
+        try:
+            return os.listdir(self.path)
+        except FileNotFoundError:
+            return []
+
+    def committed(self, name: str) -> bool:
+        return os.path.isfile(self.path / name / _METADATA)
+
+    def newest_mtime(self, name: str) -> Optional[float]:
+        """The newest modification time of the folder and the files in it
+        (a save in progress touches them), None if it is gone."""
+        d = self.path / name
+        try:
+            times = [d.stat().st_mtime]
+            for entry in os.scandir(d):
+                try:
+                    times.append(entry.stat(follow_symlinks=False).st_mtime)
+                except FileNotFoundError:
+                    pass
+            return max(times)
+        except FileNotFoundError:
+            return None
+
+    def hide(self, name: str) -> Optional[str]:
+        """Step 1 of a deletion: rename; returns the new name (None if the
+        step is already gone)."""
+        hidden = f"{DELETING_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(self.path / name, self.path / hidden)
+        except FileNotFoundError:
+            return None
+        return hidden
+
+    def remove(self, hidden: str) -> None:
+        shutil.rmtree(self.path / hidden, ignore_errors=True)
+
+    def reader(self, name: str):
+        return FileSystemReader(self.path / name)
+
+
+class _FsspecRoot:
+    """A root on an fsspec store (``s3://``, ``memory://``...): no atomic
+    rename of a folder there, so a step is deleted ``.metadata`` first (it
+    stops being committed at once), then the rest."""
+
+    def __init__(self, root: str, options: dict) -> None:
+        from .fsspec import url_to_fs
+        self.url = root.rstrip("/")
+        self.options = options
+        self.fs, path = url_to_fs(root, options)
+        self.root = path.rstrip("/") or path
+
+    def __str__(self) -> str:
+        return self.url
+
+    def checkpoint_id(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def names(self) -> list[str]:
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def committed(self, name: str) -> bool:
+        return self.fs.isfile(f"{self.root}/{name}/{_METADATA}")
+
+    def newest_mtime(self, name: str) -> Optional[float]:
+        newest = None
+        try:
+            infos = self.fs.ls(f"{self.root}/{name}", detail=True)
+        except FileNotFoundError:
+            return None
+        for info in infos:
+            t = info.get("mtime") or info.get("created") or info.get("LastModified")
+            if hasattr(t, "timestamp"):
+                t = t.timestamp()
+            if isinstance(t, (int, float)):
+                newest = max(newest or 0.0, float(t))
+        return newest  # None: unknown, and such a step is never deleted
+
+    def hide(self, name: str) -> Optional[str]:
+        try:
+            self.fs.rm(f"{self.root}/{name}/{_METADATA}")
+        except FileNotFoundError:
+            pass
+        return name
+
+    def remove(self, hidden: str) -> None:
+        try:
+            self.fs.rm(f"{self.root}/{hidden}", recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def reader(self, name: str):
+        from .fsspec import FsspecReader
+        return FsspecReader(self.checkpoint_id(name), **self.options)
+
+    def writer(self, name: str):
+        from .fsspec import FsspecWriter
+        return FsspecWriter(self.checkpoint_id(name), **self.options)
+
+
+# ------------------------------------------------------------------ manager
+
+class CheckpointManager:
+    """Saves ``root/step-{N}`` checkpoints every ``save_interval_steps``
+    steps, keeps the newest ``keep_latest_k`` (and every step that is a
+    multiple of ``keep_every_n_steps``), and resumes from the newest
+    committed and intact step.
+
+    ``async_mode``: ``"async"`` (dcpx.async_save, upload on a thread),
+    ``"process"`` (async_save with a checkpoint process) or ``"sync"``
+    (dcpx.save).  ``verify``: ``"commit"`` (default: the step's
+    ``.metadata`` exists and parses with its checksum; the load itself
+    checks the CRC-32 of every record it reads and falls back past a
+    corrupt one) or ``"full"`` (also every record and value of the step, as
+    ``dcpx verify``, before the state dict is touched; local roots).
+    ``incomplete_grace_s``: an uncommitted step older than the newest
+    committed one, untouched for this long, is taken for an interrupted
+    save and deleted by retention; a younger one may still be being written
+    by another process and is left alone.  ``storage_options``: fsspec
+    options for a URL root.  ``async_stager``: passed to every async_save
+    (a ``DefaultStager`` you keep reuses its staging buffers).
+    ``preemption``: install the preemption handler at once
+    (:meth:`install_preemption_handler`).
+    """
+
+    def __init__(
+        self,
+        root: Union[str, os.PathLike],
+        *,
+        keep_latest_k: Optional[int] = None,
+        keep_every_n_steps: Optional[int] = None,
+        save_interval_steps: int = 1,
+        async_mode: str = "async",
+        process_group: Any = None,
+        verify: str = "commit",
+        incomplete_grace_s: float = 3600.0,
+        storage_options: Optional[dict] = None,
+        async_stager: Any = None,
+        preemption: bool = False,
+        preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
+        preemption_deadline_s: Optional[float] = None,
+    ) -> None:
+        if keep_latest_k is not None and int(keep_latest_k) < 1:
+            raise ValueError(f"dcpx.CheckpointManager: keep_latest_k must be None (keep every "
+                             f"step) or at least 1, got {keep_latest_k!r}")
+        if keep_every_n_steps is not None and int(keep_every_n_steps) < 1:
+            raise ValueError(f"dcpx.CheckpointManager: keep_every_n_steps must be None or at "
+                             f"least 1, got {keep_every_n_steps!r}")
+        if int(save_interval_steps) < 1:
+            raise ValueError(f"dcpx.CheckpointManager: save_interval_steps must be at least 1, "
+                             f"got {save_interval_steps!r}")
+        if async_mode not in _MODES:
+            raise ValueError(f"dcpx.CheckpointManager: async_mode must be one of "
+                             f"{sorted(_MODES)}, got {async_mode!r}")
+        if verify not in ("commit", "full"):
+            raise ValueError(f"dcpx.CheckpointManager: verify must be 'commit' or 'full', "
+                             f"got {verify!r}")
+        proto = url_protocol(root)
+        if proto is None or proto in LOCAL_PROTOCOLS:
+            self._root: Any = _LocalRoot(root)
+        else:
+            self._root = _FsspecRoot(os.fsdecode(os.fspath(root)), dict(storage_options or {}))
+            if verify == "full":
+                raise ValueError(f"dcpx.CheckpointManager: verify='full' checks local "
+                                 f"checkpoints only; {root!r} is a {proto}:// URL (the default "
+                                 f"check still CRC-checks every record the load reads)")
+        self.root = str(self._root)
+        self.keep_latest_k = keep_latest_k
+        self.keep_every_n_steps = keep_every_n_steps
+        self.save_interval_steps = int(save_interval_steps)
+        self.async_mode = async_mode
+        self.process_group = process_group
+        self.verify = verify
+        self.incomplete_grace_s = float(incomplete_grace_s)
+        self.async_stager = async_stager
+        self._lock = threading.Lock()
+        self._writing: set[int] = set()      # steps this process is saving
+        self._pending: Optional[Future] = None  # the upload in flight
+        self._pending_done = threading.Event()
+        self._last_saved: Optional[int] = None
+        self._retention = ThreadPoolExecutor(1, thread_name_prefix="dcpx-retention")
+        self._retention_jobs: list[Future] = []
+        self._closed = False
+        self._preempted_signal: Optional[int] = None
+        self._preempted_at: Optional[float] = None
+        self._agreed_preempted = False
+        self._handler_installed = False
+        self._old_handlers: dict[int, Any] = {}
+        self._watchdog: Optional[threading.Thread] = None
+        self._watchdog_stop = threading.Event()
+        if preemption:
+            self.install_preemption_handler(preemption_signals, preemption_deadline_s)
+
+    # -------------------------------------------------------------- steps
+    def _dist(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def _is_deleter(self) -> bool:
+        """With a process group, only its rank 0 deletes."""
+        if not self._dist():
+            return True
+        return dist.get_rank(self.process_group) == 0
+
+    def _scan(self) -> tuple[list[int], list[int]]:
+        """(committed steps, uncommitted steps), ascending."""
+        committed, other = [], []
+        for name in self._root.names():
+            m = STEP_RE.match(name)
+            if m is None:
+                continue
+            (committed if self._root.committed(name) else other).append(int(m.group(1)))
+        return sorted(committed), sorted(other)
+
+    def all_steps(self) -> list[int]:
+        """Every committed step, ascending (a step without ``.metadata`` is
+        being written or was interrupted; a step being deleted is renamed
+        or has lost its ``.metadata`` first: neither is listed)."""
+        return self._scan()[0]
+
+    def latest_step(self) -> Optional[int]:
+        """The newest committed step, or None.  Committed is not yet intact:
+        :meth:`load` checks and falls back."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # --------------------------------------------------------------- save
+    def save(self, step: int, state_dict: dict, force: bool = False) -> Any:
+        """Save ``state_dict`` as ``root/step-{step}`` if ``step`` is a
+        multiple of ``save_interval_steps`` (or ``force``, or preempted).
+
+        Returns what ``dcpx.async_save`` returns (a Future, or an
+        AsyncSaveResponse whose staging the caller awaits before changing
+        its tensors), the Metadata for ``async_mode="sync"``, or None when
+        the interval skips the step.  The previous save is waited for
+        first (its failure is raised here).  After preemption the save is
+        waited for before returning: the caller may exit at once."""
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"dcpx.CheckpointManager.save: step must be >= 0, got {step}")
+        if self._closed:
+            raise RuntimeError("dcpx.CheckpointManager.save: the manager is closed")
+        preempted = self._sync_preempted()
+        if not (force or preempted or step % self.save_interval_steps == 0):
+            return None
+        self.wait()
+        if preempted and self._last_saved == step:
+            return None  # the final checkpoint is the one just saved
+        name = _step_dir(step)
+        with self._lock:
+            self._writing.add(step)
+        kw: dict[str, Any] = {"process_group": self.process_group}
+        mode = _MODES[self.async_mode]
+        try:
+            if isinstance(self._root, _FsspecRoot):
+                kw["storage_writer"] = self._root.writer(name)
+            else:
+                kw["checkpoint_id"] = self._root.checkpoint_id(name)
+                # The step folder is made here, by every rank, before the save: a
+                # multi-rank save then never depends on which rank creates it.
+                os.makedirs(kw["checkpoint_id"], exist_ok=True)
+            if mode is None:
+                result = _save(state_dict, **kw)
+                self._saved(step, None)
+                return result
+            result = _async_save(state_dict, async_checkpointer_type=mode,
+                                 async_stager=self.async_stager, **kw)
+        except BaseException:
+            with self._lock:
+                self._writing.discard(step)
+            raise
+        upload = getattr(result, "upload_completion", result)
+        done = threading.Event()
+        self._pending, self._pending_done = upload, done
+        upload.add_done_callback(lambda f, step=step, done=done: self._saved(step, f, done))
+        if preempted:
+            self.wait()
+        return result
+
+    def _saved(self, step: int, fut: Optional[Future],
+               done: Optional[threading.Event] = None) -> None:
+        """A save ended (on the upload thread for async saves): forget it as
+        in flight and, if it committed, queue a retention pass."""
+        try:
+            self._after_save(step, fut)
+        finally:
+            if done is not None:
+                done.set()
+
+    def _after_save(self, step: int, fut: Optional[Future]) -> None:
+        with self._lock:
+            self._writing.discard(step)
+        if fut is not None and (fut.cancelled() or fut.exception() is not None):
+            return
+        self._last_saved = step
+        if (self.keep_latest_k is not None and self._is_deleter()
+                and not self._retention_closed()):
+            try:
+                job = self._retention.submit(self._retention_pass)
+            except RuntimeError:  # shut down meanwhile
+                return
+            self._retention_jobs = [j for j in self._retention_jobs if not j.done()] + [job]
+
+    def _retention_closed(self) -> bool:
+        return getattr(self._retention, "_shutdown", False)
+
+    def wait(self) -> None:
+        """Wait for the save in flight to commit; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            finally:  # result() may return before the done-callback ran
+                self._pending_done.wait()
+
+    def wait_for_retention(self) -> None:
+        """Wait for the queued retention passes (deletions) to finish."""
+        for job in list(self._retention_jobs):
+            job.result()
+
+    def close(self) -> None:
+        """Wait for the save in flight and for retention; remove the
+        preemption handler.  The manager saves nothing after this."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._retention.shutdown(wait=True)
+            self.uninstall_preemption_handler()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the loop's own exception goes on; a failed save must not replace it
+            self.close()
+        except Exception as e:
+            warnings.warn(f"dcpx.CheckpointManager: closing after {exc_type.__name__}: the save "
+                          f"in flight failed too: {e}", RuntimeWarning)
+
+    # ---------------------------------------------------------- retention
+    def steps_to_delete(self) -> list[int]:
+        """What a retention pass deletes now (see docs/manager.md)."""
+        committed, uncommitted = self._scan()
+        if not committed or self.keep_latest_k is None:
+            return []
+        keep = set(committed[-self.keep_latest_k:])
+        keep.add(committed[-1])  # never the newest committed step
+        if self.keep_every_n_steps:
+            keep.update(s for s in committed if s % self.keep_every_n_steps == 0)
+        with self._lock:
+            keep |= self._writing
+        doomed = [s for s in committed if s not in keep]
+        now = time.time()
+        for s in uncommitted:  # interrupted saves, once surely not in progress
+            if s in keep or s > committed[-1]:
+                continue
+            mtime = self._root.newest_mtime(_step_dir(s))
+            if mtime is not None and now - mtime > self.incomplete_grace_s:
+                doomed.append(s)
+        return sorted(doomed)
+
+    def _retention_pass(self) -> list[int]:
+        """A retention pass whose failure (a folder that cannot be renamed...)
+        is a warning: it never fails a save, a wait or a load."""
+        try:
+            return self._apply_retention()
+        except Exception as e:
+            warnings.warn(f"dcpx.CheckpointManager: retention under {self.root} failed: "
+                          f"{type(e).__name__}: {e}", RuntimeWarning)
+            return []
+
+    def _apply_retention(self) -> list[int]:
+        """One retention pass (on the retention thread); returns the steps
+        deleted.  Deletes nothing unless the newest committed step's
+        metadata reads back (so the only intact step is never deleted)."""
+        for name in self._root.names():  # deletions a kill interrupted
+            if name.startswith(DELETING_PREFIX):
+                self._root.remove(name)
+        doomed = self.steps_to_delete()
+        if not doomed:
+            return []
+        newest = self.latest_step()
+        try:
+            self._root.reader(_step_dir(newest)).read_metadata()
+        except Exception as e:
+            warnings.warn(f"dcpx.CheckpointManager: retention deletes nothing: the newest "
+                          f"committed step {newest} does not read back ({e})", StepSkippedWarning)
+            return []
+        deleted = []
+        for s in doomed:
+            with self._lock:  # a save of this step cannot start meanwhile
+                if s in self._writing:
+                    continue
+                hidden = self._root.hide(_step_dir(s))
+            if hidden is not None:
+                self._root.remove(hidden)
+                deleted.append(s)
+        return deleted
+
+    # --------------------------------------------------------------- load
+    def _check(self, step: int) -> Optional[str]:
+        """None if the step passes the check, else why not."""
+        name = _step_dir(step)
+        try:
+            self._root.reader(name).read_metadata()
+        except Exception as e:
+            return f"its .metadata does not read: {e}"
+        if self.verify == "full":
+            out = io.StringIO()
+            try:
+                problems = _verify_checkpoint()(self._root.checkpoint_id(name), out=out)
+            except Exception as e:
+                return f"the full check failed: {e}"
+            if problems:
+                lines = [ln.strip() for ln in out.getvalue().splitlines() if "BAD" in ln]
+                return f"the full check found {problems} problem(s): " + "; ".join(lines[:3])
+        return None
+
+    def _candidates(self, step: Optional[int]) -> tuple[list[int], list[str]]:
+        """(steps to try, newest first; why newer steps were skipped)."""
+        committed, uncommitted = self._scan()
+        if step is not None:
+            return [int(step)], []
+        notes = [f"{_step_dir(s)}: not committed (no .metadata: the save was interrupted "
+                 f"or is still in progress)"
+                 for s in reversed(uncommitted) if not committed or s > committed[-1]]
+        return list(reversed(committed)), notes
+
+    def _agree(self, value: Any) -> Any:
+        """Rank 0's value on every rank (no process group: the value)."""
+        if not self._dist():
+            return value
+        box = [value]
+        pg = self.process_group
+        src = 0 if pg is None else dist.get_global_rank(pg, 0)
+        dist.broadcast_object_list(box, src=src, group=pg)
+        return box[0]
+
+    def _all_gather(self, value: Any) -> list:
+        if not self._dist():
+            return [value]
+        out = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(out, value, group=self.process_group)
+        return out
+
+    def _try_load(self, state_dict: dict, step: int) -> Optional[str]:
+        """Load one step: None if it loaded (on every rank), else why the
+        step is at fault.  An error of the state dict itself is raised."""
+        kw: dict[str, Any] = {"process_group": self.process_group}
+        if isinstance(self._root, _FsspecRoot):
+            kw["storage_reader"] = self._root.reader(_step_dir(step))
+        else:
+            kw["checkpoint_id"] = self._root.checkpoint_id(_step_dir(step))
+        err: Optional[BaseException] = None
+        kind = "ok"
+        try:
+            _load(state_dict, **kw)
+        except Exception as e:
+            err = e
+            if isinstance(e, (CorruptCheckpointError, OSError)):
+                kind = "step"    # a corrupt record, a missing or unreadable file
+            elif type(e) is CheckpointError:
+                kind = "remote"  # another rank failed (dcpx raises this on the others)
+            else:
+                kind = "user"    # a key the checkpoint lacks, a shape mismatch...
+        outcomes = self._all_gather((kind, None if err is None else str(err)))
+        if all(k == "ok" for k, _ in outcomes):
+            return None
+        if any(k == "user" for k, _ in outcomes) or not any(k == "step" for k, _ in outcomes):
+            if err is not None:
+                raise err
+            raise CheckpointError(f"dcpx.CheckpointManager: loading {_step_dir(step)} failed on "
+                                  f"another rank: " + "; ".join(m for _, m in outcomes if m))
+        return "its load failed: " + next(m for k, m in outcomes if k == "step")
+
+    def load(self, state_dict: dict, step: Optional[int] = None) -> Optional[int]:
+        """Load the newest committed and intact step into ``state_dict`` in
+        place (as dcpx.load) and return its number; or load ``step``.
+
+        A step that fails the check, or whose load finds a corrupt record or
+        a missing file, is passed over with a :class:`StepSkippedWarning`
+        naming it and why, and the next older one is tried.  Returns None
+        when the root has no committed step (a fresh run); raises
+        ``CheckpointError`` listing every step and why when none loads.
+        Errors of the state dict itself (a key the checkpoint lacks, a shape
+        that differs) are raised at once."""
+        self.wait()
+        self.wait_for_retention()  # no step of ours is deleted under the load
+        plan = self._candidates(step) if self._is_deleter() else None
+        candidates, notes = self._agree(plan)
+        for note in notes:
+            warnings.warn(f"dcpx.CheckpointManager.load: skipped {note}", StepSkippedWarning,
+                          stacklevel=2)
+        if not candidates:
+            return None
+        failures = []
+        for s in candidates:
+            why = self._check(s) if self._is_deleter() else None  # rank 0 decides
+            why = self._agree(why)
+            if why is None:
+                why = self._try_load(state_dict, s)
+                if why is None:
+                    return s
+            failures.append(f"{_step_dir(s)}: {why}")
+            if step is None:
+                warnings.warn(f"dcpx.CheckpointManager.load: skipped {failures[-1]}"
+                              f"{'' if s == candidates[-1] else '; trying an older step'}",
+                              StepSkippedWarning, stacklevel=2)
+        raise CheckpointError(f"dcpx.CheckpointManager: no step under {self.root} loads: "
+                              + "; ".join(failures))
+
+    # --------------------------------------------------------- preemption
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal arrived, as of the last :meth:`save`
+        call: a signal that comes after a save() call is seen at the next
+        one, which writes the final checkpoint, so ``save(); if
+        ckpt.preempted: break`` never leaves without it.  With a process
+        group: once the signal arrived on any rank (the same on every rank,
+        so that every rank writes the same final step and leaves the loop
+        at the same step)."""
+        return self._agreed_preempted
+
+    def _sync_preempted(self) -> bool:
+        """Take the signal into account (with a process group and the
+        handler installed, agree on it: one all_reduce of one number per
+        save() call)."""
+        if self._agreed_preempted:
+            return True
+        if not (self._dist() and self._handler_installed):
+            self._agreed_preempted = self._preempted_signal is not None
+            return self._agreed_preempted
+        import torch
+        backend = str(dist.get_backend(self.process_group))
+        device = "cuda" if ("nccl" in backend and "gloo" not in backend) else "cpu"
+        flag = torch.tensor([int(self._preempted_signal or 0)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        if int(flag.item()):
+            self._agreed_preempted = True
+            if self._preempted_signal is None:
+                self._preempted_signal = int(flag.item())
+        return self._agreed_preempted
+
+    @property
+    def preemption_signal(self) -> Optional[int]:
+        """The signal received (at once, before any save() call), or None."""
+        return self._preempted_signal
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # A signal handler only records: the save runs on the training
+        # thread (save() when preempted), never inside the handler.
+        if self._preempted_signal is None:
+            self._preempted_at = time.monotonic()
+            self._preempted_signal = signum
+
+    def install_preemption_handler(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
+                                   deadline_s: Optional[float] = None) -> None:
+        """On any of ``signals``, set :attr:`preempted` (nothing else in the
+        handler).  The training loop calls :meth:`save` as usual: once
+        preempted, the next call finishes the save in flight, saves that
+        step even off the interval and waits for its commit; the loop then
+        sees ``manager.preempted`` and exits.  With ``deadline_s``, a
+        watchdog thread ends the process (exit status 128 + the signal) if
+        the manager is not closed that many seconds after the signal: a
+        save not committed by then leaves no ``.metadata``, and the previous
+        step stays the newest.  Must be called from the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("dcpx.CheckpointManager: signal handlers can be installed "
+                               "from the main thread only")
+        self._handler_installed = True
+        for sig in signals:
+            if sig not in self._old_handlers:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        if deadline_s is not None and self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, args=(float(deadline_s),),
+                                              name="dcpx-preemption-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def uninstall_preemption_handler(self) -> None:
+        """Restore the handlers that were there before."""
+        self._watchdog_stop.set()
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in self._old_handlers.items():
+                signal.signal(sig, old)
+            self._old_handlers.clear()
+
+    def _watch(self, deadline_s: float) -> None:
+        while not self._watchdog_stop.wait(0.1):
+            at = self._preempted_at
+            if at is not None and time.monotonic() - at > deadline_s:
+                sig = self._preempted_signal or signal.SIGTERM
+                msg = (f"dcpx.CheckpointManager: the final checkpoint did not commit within "
+                       f"{deadline_s:g} s of signal {signal.Signals(sig).name}; exiting "
+                       f"(step {self.latest_step()} is the newest committed)\n")
+                try:
+                    sys.stderr.write(msg)
+                    sys.stderr.flush()
+                finally:
+                    os._exit(128 + int(sig))
