@@ -53,10 +53,7 @@ class StepSkippedWarning(UserWarning):
 def _verify_checkpoint():
     """The CLI's ``verify`` (every record's CRC-32, every value), shared:
     the manager's full check is exactly what ``dcpx verify`` reports."""
-    try:  # the CLI as a package (dcpx/cli/)
-        from .cli import verify_checkpoint  # type: ignore[attr-defined]
-    except ImportError:
-        from .__main__ import verify_checkpoint
+    from .cli.verify import verify_checkpoint
     return verify_checkpoint
 
 
