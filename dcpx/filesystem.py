@@ -34,14 +34,17 @@ import stat
 import uuid
 import zipfile
 from pathlib import Path
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
@@ -59,9 +62,11 @@ from . import _C, _locks, _metadata, _values
 from ._dtypes import dlpack_export, dlpack_view, storage_type_name
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
-__all__ = ["FileSystemWriter", "FileSystemReader"]
+__all__ = ["FileSystemWriter", "FileSystemReader", "LazyItem"]
 
 DCP_VERSION = "1.0.0"
+#: the file whose presence commits a checkpoint (torch's ``.metadata``)
+METADATA_FN = _metadata.METADATA_FN
 _DATA_FILE = re.compile(r"^__\d+_.*\.distcp$")
 _TMP_METADATA = re.compile(r"^(__\d+)?\.metadata\.tmp")
 _TAGGED_DATA_FILE = re.compile(r"^__\d+_([0-9a-f]{16})_\d+\.distcp$")
@@ -221,6 +226,15 @@ def value_payload(obj: Any, key: str) -> bytes:
         raise TypeError(f"dcpx: cannot save {key!r}: its value of type "
                         f"{type(obj).__name__} does not pickle: {e}") from e
     return buf.getvalue()
+
+
+class LazyItem(NamedTuple):
+    """A value that ``FileSystemWriter.write_items`` reads only once it has
+    decided which file it goes into: ``nbytes`` (its size, or an estimate for
+    a non-tensor value) is what closes the current file before ``read()`` is
+    called, so that at most one file's values are in memory at once."""
+    nbytes: int
+    read: Callable[[], Any]
 
 
 class _Entry(NamedTuple):
@@ -507,14 +521,107 @@ class FileSystemWriter(StorageWriter):
             tag = self._tag()
         return f"__{rank}_{tag}_" if tag else f"__{rank}_"
 
-    def write_entries(self, prefix: str, entries: Sequence[_Entry]) -> PendingWrite:
-        """Lay out entries into data files named ``{prefix}{i}.distcp``."""
+    def write_entries(self, prefix: str, entries: Sequence[_Entry], first: int = 0) -> PendingWrite:
+        """Lay out entries into data files named ``{prefix}{i}.distcp``,
+        ``i`` counting from ``first``."""
         if self.single_file_per_rank:
             groups = [g for g in _buckets(entries, self.thread_count) if g] or [[]]
         else:
             groups = [[e] for e in entries]
-        files = [(f"{prefix}{i}.distcp", g) for i, g in enumerate(groups)]
+        files = [(f"{prefix}{first + i}.distcp", g) for i, g in enumerate(groups)]
         return PendingWrite(self, files)
+
+    def write_items(self, items: Iterable[tuple[str, Any]], *,
+                    planner_data: Optional[Mapping[str, tuple]] = None,
+                    file_bytes: int = 64 << 20,
+                    written: Optional[Callable[[str, Any], None]] = None) -> Metadata:
+        """Save ``(fqn, value)`` pairs as one checkpoint, streaming: values
+        are gathered into batches of at most ``file_bytes`` (a larger value
+        alone), each batch is written by the C writer before the next value
+        is read, and the save commits as any dcpx save does (its turn in the
+        directory, its lock file, ``.metadata`` renamed in last).
+
+        A value is a tensor (saved whole, one chunk), any other value
+        (``torch.save``'d, as ``dcpx.save`` does), or a ``LazyItem`` (read
+        once its batch is chosen).  ``planner_data``: fqn -> the nested path
+        it came from (default ``(fqn,)``).  ``written(fqn, value)`` is called
+        once a value's file is written (to give back its memory).  On failure
+        before the commit, this save's data files are removed.  Returns the
+        committed metadata."""
+        with _locks.turn(self):
+            self.set_up_storage_writer(True)
+            committing = False
+            try:
+                self._prepare_dir()
+                storage, sdm = self._write_batches(items, file_bytes, written)
+                pd = planner_data or {}
+                md = Metadata(state_dict_metadata=sdm,
+                              planner_data={k: tuple(pd.get(k, (k,))) for k in sdm},
+                              storage_data=storage, storage_meta=self.storage_meta(),
+                              version=DCP_VERSION)
+                committing = True
+                self.commit(md)
+                return md
+            except BaseException:
+                if not committing:
+                    self._discard_own()
+                raise
+            finally:
+                self._release_tag()
+
+    def _write_batches(self, items: Iterable[tuple[str, Any]], file_bytes: int,
+                       written: Optional[Callable[[str, Any], None]]) -> tuple[dict, dict]:
+        """write_items' loop: (storage_data, state_dict_metadata)."""
+        prefix = self._prefix(0)
+        sdm: dict[str, Any] = {}
+        storage: dict = {}
+        batch: list[_Entry] = []
+        held: list = []  # (fqn, value) of the batch, handed to ``written`` once written
+        nfiles = pending = 0
+
+        def flush() -> None:
+            nonlocal batch, held, nfiles, pending
+            if not batch:
+                return
+            pw = self.write_entries(prefix, batch, first=nfiles)
+            storage.update({r.index: r.storage_data for r in pw.start().wait()})
+            nfiles += len(pw.files)
+            batch, pending = [], 0
+            done, held = held[::-1], []
+            while done:
+                fqn, v = done.pop()
+                if written is not None:
+                    written(fqn, v)
+                del v  # the batch's values go one by one, nothing else holds them
+
+        for fqn, value in items:
+            if isinstance(value, LazyItem):
+                if pending and pending + value.nbytes > file_bytes:
+                    flush()  # before reading it: one batch in memory
+                value = value.read()
+            if fqn in sdm:
+                raise ValueError(f"dcpx: key {fqn!r} is given twice")
+            if isinstance(value, torch.Tensor):
+                nbytes = value.numel() * value.element_size()
+                payload: Any = tensor_payload(value, fqn)
+                zero = torch.Size([0] * value.dim())
+                sdm[fqn] = TensorStorageMetadata(
+                    properties=TensorProperties.create_from_tensor(value), size=value.shape,
+                    chunks=[ChunkStorageMetadata(offsets=zero, sizes=value.shape)])
+                index = MetadataIndex(fqn, zero)
+            else:
+                payload = value_payload(value, fqn)
+                nbytes = len(payload)
+                sdm[fqn] = BytesStorageMetadata()
+                index = MetadataIndex(fqn)
+            if pending and pending + nbytes > file_bytes:
+                flush()
+            batch.append(_Entry(index, payload, nbytes))
+            held.append((fqn, value))
+            pending += nbytes
+            del value, payload
+        flush()
+        return storage, sdm
 
     def encode_metadata(self, metadata: Metadata) -> bytes:
         return _metadata.dumps(metadata)
@@ -798,39 +905,116 @@ class FileSystemReader(StorageReader):
     def _validate_storage(self, metadata: Metadata) -> None:
         """Reject paths that escape the directory and impossible extents
         before anything is read."""
-        sizes: dict[str, int] = {}
+        for _, error in self._storage_problems(metadata):
+            raise error
+
+    def check_storage(self, metadata: Metadata) -> list[tuple[MetadataIndex, Exception]]:
+        """Every storage entry of ``metadata`` that cannot be read, without
+        reading any data: a data file named outside the directory, missing or
+        not a regular file, an extent past the end of its file (truncated), a
+        stream transform.  One ``(index, error)`` per bad entry, in order;
+        ``error`` is the exception loading would raise for it.  Empty when
+        every entry can be read (``set_up_storage_reader`` raises the first)."""
+        return list(self._storage_problems(metadata))
+
+    def _storage_problems(self, metadata: Metadata):
+        sizes: dict[str, int] = {}  # data files found regular, by name
         for index, info in metadata.storage_data.items():
-            if not isinstance(info, _StorageInfo):
-                raise CorruptCheckpointError(f"{self.path}: bad storage entry for {index}")
-            rel = info.relative_path
-            if rel not in sizes:
-                if (not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel
-                        or rel in (".", "..") or "\0" in rel):
-                    raise CorruptCheckpointError(
-                        f"{self.path}: metadata names data file {rel!r} outside the "
-                        f"checkpoint directory (refused)")
-                try:
-                    st = os.lstat(self.path / rel)
-                except FileNotFoundError:
-                    raise CorruptCheckpointError(
-                        f"{self.path}: data file {rel} is missing (needed by key "
-                        f"{getattr(index, 'fqn', index)!r})") from None
-                if not stat.S_ISREG(st.st_mode):
-                    raise special_file_error(
-                        self.path / rel, st.st_mode,
-                        f"data file (needed by key {getattr(index, 'fqn', index)!r}) ")
-                sizes[rel] = st.st_size
-            if (not isinstance(info.offset, int) or not isinstance(info.length, int)
-                    or info.offset < 0 or info.length < 0
-                    or info.offset + info.length > sizes[rel]):
+            try:
+                self._check_entry(index, info, sizes)
+            except Exception as e:  # noqa: B902 - each is the entry's own error
+                yield index, e
+
+    def _check_entry(self, index: Any, info: Any, sizes: dict[str, int]) -> None:
+        if not isinstance(info, _StorageInfo):
+            raise CorruptCheckpointError(f"{self.path}: bad storage entry for {index}")
+        rel = info.relative_path
+        if rel not in sizes:
+            if (not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel
+                    or rel in (".", "..") or "\0" in rel):
                 raise CorruptCheckpointError(
-                    f"{self.path / rel}: key {getattr(index, 'fqn', index)!r}: extent "
-                    f"[{info.offset}, +{info.length}) lies outside the file "
-                    f"({sizes[rel]} bytes; truncated?)")
-            if getattr(info, "transform_descriptors", None):
-                raise NotImplementedError(
-                    f"dcpx: {self.path / rel} uses stream transforms "
-                    f"{info.transform_descriptors}; load it with torch.distributed.checkpoint")
+                    f"{self.path}: metadata names data file {rel!r} outside the "
+                    f"checkpoint directory (refused)")
+            try:
+                st = os.lstat(self.path / rel)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"{self.path}: data file {rel} is missing (needed by key "
+                    f"{getattr(index, 'fqn', index)!r})") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise special_file_error(
+                    self.path / rel, st.st_mode,
+                    f"data file (needed by key {getattr(index, 'fqn', index)!r}) ")
+            sizes[rel] = st.st_size
+        if (not isinstance(info.offset, int) or not isinstance(info.length, int)
+                or info.offset < 0 or info.length < 0
+                or info.offset + info.length > sizes[rel]):
+            raise CorruptCheckpointError(
+                f"{self.path / rel}: key {getattr(index, 'fqn', index)!r}: extent "
+                f"[{info.offset}, +{info.length}) lies outside the file "
+                f"({sizes[rel]} bytes; truncated?)")
+        if getattr(info, "transform_descriptors", None):
+            raise NotImplementedError(
+                f"dcpx: {self.path / rel} uses stream transforms "
+                f"{info.transform_descriptors}; load it with torch.distributed.checkpoint")
+
+    def read_chunk(self, index: MetadataIndex) -> torch.Tensor:
+        """The saved chunk at storage ``index`` (a key and a chunk's offsets)
+        of the metadata this reader was set up with, in its saved shape and
+        dtype, CRC-checked (``verify``)."""
+        chunk, dtype = self._chunk_of(index)
+        info = self.storage_data.get(index)
+        if info is None:
+            raise CorruptCheckpointError(
+                f"{self.path}: metadata has no storage entry for {index.fqn!r} at offset "
+                f"{tuple(index.offset)}")
+        out = torch.empty(chunk, dtype=dtype)
+        self.read_tensors([_TensorRead(index.fqn, info, chunk, dtype, out, None)])
+        return out
+
+    def read_key(self, fqn: str, metadata: Optional[Metadata] = None) -> Any:
+        """The whole saved value of key ``fqn``: a tensor with every chunk
+        (DTensor / sharded saves) read straight into its place in the result
+        (CRC-checked), or a non-tensor value (as ``load_value``).  Uses the
+        metadata the reader was set up with, or ``metadata`` (whose entries
+        for ``fqn`` are checked first, as ``set_up_storage_reader`` does).
+        Raises CorruptCheckpointError, naming the key, for a missing entry or
+        chunks that do not tile the tensor."""
+        if metadata is None:
+            sdm_all, storage = self._state_dict_metadata, self.storage_data
+        else:
+            sdm_all, storage = metadata.state_dict_metadata, metadata.storage_data
+            mine = {i: v for i, v in storage.items() if getattr(i, "fqn", None) == fqn}
+            self._validate_storage(Metadata(state_dict_metadata=sdm_all, storage_data=mine))
+        sdm = sdm_all[fqn]
+        if not isinstance(sdm, TensorStorageMetadata):
+            info = storage.get(MetadataIndex(fqn))
+            if info is None:
+                raise CorruptCheckpointError(f"{self.path}: metadata has no storage entry "
+                                             f"for {fqn!r}")
+            return self.load_value(fqn, info)
+        full = torch.empty(sdm.size, dtype=sdm.properties.dtype)
+        covered = 0
+        reads = []
+        for ch in sdm.chunks:
+            info = storage.get(MetadataIndex(fqn, ch.offsets))
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"{self.path}: metadata has no storage entry for {fqn!r} at offset "
+                    f"{tuple(ch.offsets)}")
+            if any(o < 0 or o + n > size for o, n, size in zip(ch.offsets, ch.sizes, sdm.size)):
+                raise CorruptCheckpointError(
+                    f"{self.path}: chunk of {fqn!r} at {tuple(ch.offsets)} size "
+                    f"{tuple(ch.sizes)} lies outside its size {tuple(sdm.size)}")
+            target = full[tuple(slice(o, o + n) for o, n in zip(ch.offsets, ch.sizes))]
+            reads.append(_TensorRead(fqn, info, ch.sizes, sdm.properties.dtype, target, None))
+            covered += ch.sizes.numel()
+        if covered != sdm.size.numel():
+            raise CorruptCheckpointError(
+                f"{self.path}: the chunks of {fqn!r} hold {covered} elements, its size "
+                f"{tuple(sdm.size)} has {sdm.size.numel()} (overlapping or missing shards)")
+        self.read_tensors(reads)
+        return full
 
     def _chunk_of(self, index: MetadataIndex) -> tuple:
         if self._chunks is None:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
 from .errors import CheckpointError, CorruptCheckpointError
-from .filesystem import LOCAL_PROTOCOLS, FileSystemReader, local_path, url_protocol
+from .filesystem import LOCAL_PROTOCOLS, METADATA_FN, FileSystemReader, local_path, url_protocol
 
 __all__ = ["CheckpointManager", "StepSkippedWarning"]
 
@@ -40,7 +40,7 @@ __all__ = ["CheckpointManager", "StepSkippedWarning"]
 STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 #: a step being deleted (renamed first, so that it is never seen as a step)
 DELETING_PREFIX = ".deleting-"
-_METADATA = ".metadata"
+_METADATA = METADATA_FN
 _MODES = {"sync": None, "async": AsyncCheckpointerType.THREAD,
           "process": AsyncCheckpointerType.PROCESS}
 

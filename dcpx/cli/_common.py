@@ -23,8 +23,8 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from .._metadata import METADATA_FN
+from ..errors import IncompleteCheckpointError
+from ..filesystem import METADATA_FN
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -209,37 +209,7 @@ class DcpSource(Source):
                 for k in self.entries()}
 
     def read(self, key: str) -> Any:
-        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-        from ..filesystem import _TensorRead
-        sdm = self.md.state_dict_metadata[key]
-        if not isinstance(sdm, TensorStorageMetadata):
-            index = MetadataIndex(key)
-            if index not in self.md.storage_data:
-                raise CorruptCheckpointError(f"{self.path}: metadata has no storage entry for {key!r}")
-            return self.reader.load_value(key, self.md.storage_data[index])
-        full = torch.empty(sdm.size, dtype=sdm.properties.dtype)
-        covered = 0
-        reads = []
-        for ch in sdm.chunks:
-            index = MetadataIndex(key, ch.offsets)
-            info = self.md.storage_data.get(index)
-            if info is None:
-                raise CorruptCheckpointError(
-                    f"{self.path}: metadata has no storage entry for {key!r} at offset "
-                    f"{tuple(ch.offsets)}")
-            if any(o < 0 or o + s > n for o, s, n in zip(ch.offsets, ch.sizes, sdm.size)):
-                raise CorruptCheckpointError(
-                    f"{self.path}: chunk of {key!r} at {tuple(ch.offsets)} size "
-                    f"{tuple(ch.sizes)} lies outside its size {tuple(sdm.size)}")
-            target = full[tuple(slice(o, o + s) for o, s in zip(ch.offsets, ch.sizes))]
-            reads.append(_TensorRead(key, info, ch.sizes, sdm.properties.dtype, target, None))
-            covered += ch.sizes.numel()
-        if covered != sdm.size.numel():
-            raise CorruptCheckpointError(
-                f"{self.path}: the chunks of {key!r} hold {covered} elements, its size "
-                f"{tuple(sdm.size)} has {sdm.size.numel()} (overlapping or missing shards)")
-        self.reader.read_tensors(reads)
-        return full
+        return self.reader.read_key(key)
 
 
 class TorchSource(Source):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import io
 import json
 import os
@@ -371,74 +372,33 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
 # -- DCP --------------------------------------------------------------------
 
 def to_dcp(src: Source, dst: Path, bar_on: bool) -> str:
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-    from ..filesystem import DCP_VERSION, FileSystemWriter, _Entry, tensor_payload, value_payload
+    from ..filesystem import FileSystemWriter, LazyItem
     entries = src.entries()
-    writer = FileSystemWriter(dst)
-    writer.set_up_storage_writer(True)
-    writer._prepare_dir()
-    prefix = writer._prefix(0)
-    sdm: dict[str, Any] = {}
-    storage: dict = {}
-    batch: list = []
-    nbatch = 0
-    pending = 0
     total = sum(e.nbytes for e in entries.values() if e.is_tensor)
 
-    held: list = []     # (key, tensor) of the batch, released once written
-
-    def flush() -> None:
-        nonlocal batch, nbatch, pending, held
-        if not batch:
-            return
-        results = writer.write_entries(f"{prefix}{nbatch}_", batch).start().wait()
-        storage.update({r.index: r.storage_data for r in results})
-        nbatch += 1
-        batch, pending = [], 0
-        for key, t in held:
-            src.release(key, t)
-        held = []
-
     with progress(total, "convert", enabled=bar_on) as bar:
-        for e in entries.values():
-            if pending and pending + e.nbytes > DCP_FILE_BYTES:
-                flush()     # before reading the next one: one batch in memory
+        def read(e: Entry) -> Any:
             v = src.read(e.key)
-            if e.is_tensor:
-                t = _check(e.key, v, e)
-                held.append((e.key, t))
-                zero = torch.Size([0] * t.dim())
-                sdm[e.key] = TensorStorageMetadata(
-                    properties=TensorProperties.create_from_tensor(t), size=t.shape,
-                    chunks=[ChunkStorageMetadata(offsets=zero, sizes=t.shape)])
-                batch.append(_Entry(MetadataIndex(e.key, zero), tensor_payload(t, e.key), e.nbytes))
-                pending += e.nbytes
-                bar.update(e.nbytes)
-                del t       # the batch holds it until written, nothing else
-            else:
-                payload = value_payload(v, e.key)
-                sdm[e.key] = BytesStorageMetadata()
-                batch.append(_Entry(MetadataIndex(e.key), payload, len(payload)))
-                pending += len(payload)
-            del v
-        flush()
-        del held
-    paths = src.paths()
-    md = Metadata(state_dict_metadata=sdm, planner_data={k: paths.get(k, (k,)) for k in sdm},
-                  storage_data=storage)
-    md.storage_meta = writer.storage_meta()
-    md.version = DCP_VERSION
-    writer.commit(md)
+            if not e.is_tensor:
+                return v
+            t = _check(e.key, v, e)
+            bar.update(e.nbytes)
+            return t
+
+        def release(key: str, v: Any) -> None:  # once its file is written
+            if isinstance(v, torch.Tensor):
+                src.release(key, v)
+
+        # each value is read only once the previous file is written (if it
+        # would not fit): one file's tensors in memory
+        items = ((e.key, LazyItem(e.nbytes, functools.partial(read, e)))
+                 for e in entries.values())
+        md = FileSystemWriter(dst).write_items(items, planner_data=src.paths(),
+                                               file_bytes=DCP_FILE_BYTES, written=release)
+    nfiles = len({info.relative_path for info in md.storage_data.values()})
     n_t = sum(1 for e in entries.values() if e.is_tensor)
     return (f"{n_t} tensors, {len(entries) - n_t} other values ({human(total)}) in "
-            f"{nbatch} data file(s) -> {dst}")
+            f"{nfiles} data file(s) -> {dst}")
 
 
 class _Selected(Source):

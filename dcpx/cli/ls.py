@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .._metadata import METADATA_FN
+from ..filesystem import METADATA_FN
 from ._common import NoCheckpoint, human
 
 HELP = "list the checkpoints under a directory: step, size, committed or not, age"

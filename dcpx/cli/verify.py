@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..filesystem import FileSystemReader, _TensorRead, check_zip_crcs, read_regular
+from ..filesystem import FileSystemReader, check_zip_crcs, read_regular
 from ._common import progress
 
 HELP = "check every record of a checkpoint (CRC-32s, values, extents)"
@@ -58,16 +57,13 @@ def verify_checkpoint(path: str, out=None, *, show_progress: bool = False) -> in
                     f"{reader.path}: metadata has no storage entry for {fqn!r}"
                     + (f" at offset {tuple(index.offset)}" if index.offset is not None else "")))
 
-    # Validate each entry on its own (the reader stops at the first bad one)
-    # so that every missing file and every bad extent is reported.
-    good = {}
-    for index, info in md.storage_data.items():
-        try:
-            reader._validate_storage(Metadata(state_dict_metadata=md.state_dict_metadata,
-                                              storage_data={index: info}))
-            good[index] = info
-        except Exception as e:
-            bad(getattr(index, "fqn", repr(index)), e)
+    # Every missing file and every bad extent is reported (the reader's
+    # set-up stops at the first), then the readable entries are read.
+    refused = set()
+    for index, e in reader.check_storage(md):
+        bad(getattr(index, "fqn", repr(index)), e)
+        refused.add(index)
+    good = {index: info for index, info in md.storage_data.items() if index not in refused}
     reader.set_up_storage_reader(
         Metadata(state_dict_metadata=md.state_dict_metadata, storage_data=good,
                  planner_data=md.planner_data, storage_meta=md.storage_meta), True)
@@ -79,9 +75,7 @@ def verify_checkpoint(path: str, out=None, *, show_progress: bool = False) -> in
             sdm = md.state_dict_metadata.get(index.fqn)
             try:
                 if isinstance(sdm, TensorStorageMetadata):
-                    chunk, dtype = reader._chunk_of(index)
-                    target = torch.empty(chunk, dtype=dtype)
-                    reader.read_tensors([_TensorRead(index.fqn, info, chunk, dtype, target, None)])
+                    reader.read_chunk(index)
                     _check_archive(reader, info)
                 else:
                     reader.read_bytes(index.fqn, info)
