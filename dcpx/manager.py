@@ -132,6 +132,17 @@ class _LocalRoot:
         return FileSystemReader(self.path / name)
 
 
+def info_mtime(info: dict) -> Optional[float]:
+    """A file's modification time (seconds since the epoch) from an fsspec
+    ``ls(detail=True)`` / ``info`` entry, as the store names it (local:
+    ``mtime``, memory: ``created``, s3: ``LastModified``); None if the
+    store gives none."""
+    t = info.get("mtime") or info.get("created") or info.get("LastModified")
+    if hasattr(t, "timestamp"):
+        t = t.timestamp()
+    return float(t) if isinstance(t, (int, float)) else None
+
+
 class _FsspecRoot:
     """A root on an fsspec store (``s3://``, ``memory://``...): no atomic
     rename of a folder there, so a step is deleted ``.metadata`` first (it
@@ -171,11 +182,9 @@ class _FsspecRoot:
         except FileNotFoundError:
             return None
         for info in infos:
-            t = info.get("mtime") or info.get("created") or info.get("LastModified")
-            if hasattr(t, "timestamp"):
-                t = t.timestamp()
-            if isinstance(t, (int, float)):
-                newest = max(newest or 0.0, float(t))
+            t = info_mtime(info)
+            if t is not None:
+                newest = max(newest or 0.0, t)
         return newest  # None: unknown, and such a step is never deleted
 
     def hide(self, name: str) -> Optional[str]:
