@@ -329,6 +329,34 @@ def test_retention_never_deletes_committed_step_being_saved_again(tmp_path):
     assert CheckpointManager(tmp_path).all_steps() == [4]
 
 
+def test_retention_gives_folder_back_to_save_that_locked_it_meanwhile(tmp_path, monkeypatch):
+    """A save that takes its lock between the pass's check and its rename:
+    the pass sees the lock held in the renamed folder and renames it back."""
+    from dcpx import _locks
+    from dcpx import manager as mgr
+
+    with CheckpointManager(tmp_path, async_mode="sync") as m:
+        for s in (1, 2):
+            m.save(s, _state(s))
+    real_hide = mgr._LocalRoot.hide
+    held = []
+
+    def lock_then_hide(self, name):
+        held.append(_locks.claim_save(self.path / name))  # a save starts right now
+        return real_hide(self, name)
+
+    monkeypatch.setattr(mgr._LocalRoot, "hide", lock_then_hide)
+    m = CheckpointManager(tmp_path, keep_latest_k=1)
+    assert m._apply_retention() == []
+    assert [lk.path.parent.name for lk in held] == ["step-1"]
+    assert sorted(os.listdir(tmp_path)) == ["step-1", "step-2"]
+    assert (tmp_path / "step-1" / held[0].path.name).exists()
+    held[0].release()                                      # that save ended
+    monkeypatch.setattr(mgr._LocalRoot, "hide", real_hide)
+    assert m._apply_retention() == [1]
+    assert sorted(os.listdir(tmp_path)) == ["step-2"]
+
+
 def test_retention_without_flock_falls_back_to_grace_period(tmp_path, monkeypatch):
     """Where flock fails (ENOLCK: a file system without locks) a save lock
     file cannot be checked: a step holding one is deleted only once
