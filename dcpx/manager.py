@@ -228,8 +228,10 @@ class CheckpointManager:
     a save is still writing into it (a URL root, a file system without
     flock, an uncommitted step without lock files: docs/manager.md), an
     uncommitted step older than the newest committed one is taken for an
-    interrupted save and deleted by retention once untouched for this long.  ``storage_options``: fsspec
-    options for a URL root.  ``async_stager``: passed to every async_save
+    interrupted save and deleted by retention once untouched for this
+    long (and a committed one holding save locks flock cannot check, once
+    untouched for this long).  ``storage_options``: fsspec options for a
+    URL root.  ``async_stager``: passed to every async_save
     (a ``DefaultStager`` you keep reuses its staging buffers).
     ``preemption``: install the preemption handler at once
     (:meth:`install_preemption_handler`).
