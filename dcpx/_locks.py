@@ -30,6 +30,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import threading
 import uuid
 import weakref
@@ -320,22 +321,74 @@ def dir_lock(directory: Path) -> Iterator[None]:
         lk.release()
 
 
-def probe(path: Path) -> tuple[bool, Optional[FileLock]]:
-    """(dead, lock): whether no live save holds the save lock at ``path``.
-    A dead one is returned held exclusively, for the caller to remove once
-    it has removed that save's files."""
+def _probe(path: Path) -> tuple[Optional[bool], Optional[FileLock]]:
+    """(dead, lock) for the save lock at ``path``: dead True (the file is
+    gone, or its lock can be taken exclusively: returned held), False (a
+    live save holds it) or None (cannot tell: not openable, or this file
+    system does not do flock)."""
     try:
         fd = _open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return True, None
     except OSError:
-        return False, None  # cannot tell: keep that save's files
+        return None, None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held (EWOULDBLOCK), or no locks here: cannot prove it dead
+    except OSError as e:
         os.close(fd)
-        return False, None
+        return (False if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None), None
     return True, FileLock(path, fd, True)
+
+
+def probe(path: Path) -> tuple[bool, Optional[FileLock]]:
+    """(dead, lock): whether no live save holds the save lock at ``path``.
+    A dead one is returned held exclusively, for the caller to remove once
+    it has removed that save's files.  Cannot tell (no locks here): not
+    dead, keep that save's files."""
+    dead, lk = _probe(path)
+    return bool(dead), lk
+
+
+#: what :func:`save_lock_state` finds in a directory
+LIVE, DEAD, NO_LOCKS, UNKNOWN = "live", "dead", "no-locks", "unknown"
+_SAVE_LOCK_RE = re.compile(r"^\.dcpx\.([0-9a-f]{16})\.lock$")
+
+
+def save_lock_state(directory: Path) -> str:
+    """Whether a save is still writing into ``directory``, from its save
+    locks (``.dcpx.<tag>.lock``), without waiting:
+
+    * ``LIVE``: a save lock is held: a live save (in any process, this one
+      included) is writing there;
+    * ``DEAD``: there are save locks and every one can be taken (their
+      saves finished, failed or were killed);
+    * ``NO_LOCKS``: no save lock (a save that ended cleanly, or a writer
+      that takes none: torch's, or a save about to take its lock);
+    * ``UNKNOWN``: a save lock that cannot be checked (flock does not work
+      on this file system, or the file cannot be opened) and none live.
+
+    The locks it takes to check are dropped before it returns (the files
+    stay: their removal is the commit cleanup's)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return NO_LOCKS
+    state = NO_LOCKS
+    for name in names:
+        if _SAVE_LOCK_RE.match(name) is None:
+            continue
+        dead, lk = _probe(Path(directory) / name)
+        if lk is not None:
+            lk.release(unlink=False)
+        elif dead:
+            continue  # removed meanwhile by its save, done: no evidence either way
+        if dead is False:
+            return LIVE
+        if dead is None:
+            state = UNKNOWN
+        elif state == NO_LOCKS:
+            state = DEAD
+    return state
 
 
 def _after_fork_in_child() -> None:

@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
+from . import _locks
 from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
 from .errors import CheckpointError, CorruptCheckpointError
@@ -101,6 +102,19 @@ class _LocalRoot:
         except FileNotFoundError:
             return None
 
+    def save_state(self, name: str) -> str:
+        """Whether a dcpx save is writing into the folder, from its save
+        lock files (``dcpx._locks.save_lock_state``)."""
+        return _locks.save_lock_state(self.path / name)
+
+    def unhide(self, hidden: str, name: str) -> bool:
+        """Undo :meth:`hide` (a save started in the folder meanwhile)."""
+        try:
+            os.rename(self.path / hidden, self.path / name)
+        except OSError:
+            return False
+        return True
+
     def hide(self, name: str) -> Optional[str]:
         """Step 1 of a deletion: rename; returns the new name (None if the
         step is already gone)."""
@@ -116,6 +130,17 @@ class _LocalRoot:
 
     def reader(self, name: str):
         return FileSystemReader(self.path / name)
+
+
+def info_mtime(info: dict) -> Optional[float]:
+    """A file's modification time (seconds since the epoch) from an fsspec
+    ``ls(detail=True)`` / ``info`` entry, as the store names it (local:
+    ``mtime``, memory: ``created``, s3: ``LastModified``); None if the
+    store gives none."""
+    t = info.get("mtime") or info.get("created") or info.get("LastModified")
+    if hasattr(t, "timestamp"):
+        t = t.timestamp()
+    return float(t) if isinstance(t, (int, float)) else None
 
 
 class _FsspecRoot:
@@ -146,6 +171,10 @@ class _FsspecRoot:
     def committed(self, name: str) -> bool:
         return self.fs.isfile(f"{self.root}/{name}/{_METADATA}")
 
+    def save_state(self, name: str) -> str:
+        """No lock files on a store: nothing tells a live save from a dead one."""
+        return _locks.NO_LOCKS
+
     def newest_mtime(self, name: str) -> Optional[float]:
         newest = None
         try:
@@ -153,11 +182,9 @@ class _FsspecRoot:
         except FileNotFoundError:
             return None
         for info in infos:
-            t = info.get("mtime") or info.get("created") or info.get("LastModified")
-            if hasattr(t, "timestamp"):
-                t = t.timestamp()
-            if isinstance(t, (int, float)):
-                newest = max(newest or 0.0, float(t))
+            t = info_mtime(info)
+            if t is not None:
+                newest = max(newest or 0.0, t)
         return newest  # None: unknown, and such a step is never deleted
 
     def hide(self, name: str) -> Optional[str]:
@@ -197,11 +224,14 @@ class CheckpointManager:
     checks the CRC-32 of every record it reads and falls back past a
     corrupt one) or ``"full"`` (also every record and value of the step, as
     ``dcpx verify``, before the state dict is touched; local roots).
-    ``incomplete_grace_s``: an uncommitted step older than the newest
-    committed one, untouched for this long, is taken for an interrupted
-    save and deleted by retention; a younger one may still be being written
-    by another process and is left alone.  ``storage_options``: fsspec
-    options for a URL root.  ``async_stager``: passed to every async_save
+    ``incomplete_grace_s``: where a step's save locks cannot tell whether
+    a save is still writing into it (a URL root, a file system without
+    flock, an uncommitted step without lock files: docs/manager.md), an
+    uncommitted step older than the newest committed one is taken for an
+    interrupted save and deleted by retention once untouched for this
+    long (and a committed one holding save locks flock cannot check, once
+    untouched for this long).  ``storage_options``: fsspec options for a
+    URL root.  ``async_stager``: passed to every async_save
     (a ``DefaultStager`` you keep reuses its staging buffers).
     ``preemption``: install the preemption handler at once
     (:meth:`install_preemption_handler`).
@@ -438,13 +468,27 @@ class CheckpointManager:
             keep.update(s for s in committed if s % self.keep_every_n_steps == 0)
         with self._lock:
             keep |= self._writing
-        doomed = [s for s in committed if s not in keep]
         now = time.time()
+
+        def untouched(s: int) -> bool:
+            mtime = self._root.newest_mtime(_step_dir(s))
+            return mtime is not None and now - mtime > self.incomplete_grace_s
+
+        doomed = []
+        for s in committed:
+            if s in keep:
+                continue
+            state = self._root.save_state(_step_dir(s))
+            if state == _locks.LIVE:  # a save into it again, in progress
+                continue
+            if state == _locks.UNKNOWN and not untouched(s):  # no flock: cannot tell
+                continue
+            doomed.append(s)
         for s in uncommitted:  # interrupted saves, once surely not in progress
             if s in keep or s > committed[-1]:
                 continue
-            mtime = self._root.newest_mtime(_step_dir(s))
-            if mtime is not None and now - mtime > self.incomplete_grace_s:
+            state = self._root.save_state(_step_dir(s))
+            if state == _locks.DEAD or (state != _locks.LIVE and untouched(s)):
                 doomed.append(s)
         return sorted(doomed)
 
@@ -481,9 +525,15 @@ class CheckpointManager:
                 if s in self._writing:
                     continue
                 hidden = self._root.hide(_step_dir(s))
-            if hidden is not None:
-                self._root.remove(hidden)
-                deleted.append(s)
+            if hidden is None:
+                continue
+            # A save that took its lock between the check and the rename:
+            # give the folder back (else that save fails: its folder is gone).
+            if (self._root.save_state(hidden) == _locks.LIVE
+                    and self._root.unhide(hidden, _step_dir(s))):
+                continue
+            self._root.remove(hidden)
+            deleted.append(s)
         return deleted
 
     # --------------------------------------------------------------- load

@@ -128,6 +128,75 @@ def test_ls_of_nothing_exits_2(tmp_path, capsys):
     assert _cli("ls", tmp_path / "f") == 2
 
 
+def test_ls_url_root_memory(capsys):
+    """``ls`` of a URL root goes through fsspec, as checkpoint_id URLs do;
+    memory:// lives in this process, so the CLI runs in-process."""
+    fsspec = pytest.importorskip("fsspec")
+    import uuid
+    root = f"memory://dcpx-ls-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    try:
+        for n in (10, 2):
+            dcpx.save({"w": torch.zeros(1000 * n)}, checkpoint_id=f"{root}/step-{n}")
+        dcpx.save({"w": torch.zeros(3)}, checkpoint_id=f"{root}/best")
+        dcpx.save({"w": torch.zeros(3)}, checkpoint_id=f"{root}/step-3")
+        base = root.split("://", 1)[1]
+        fs.rm(f"{base}/step-3/{METADATA_FN}")            # a save that never committed
+        fs.pipe(f"{base}/logs/x.txt", b"x")              # not a checkpoint
+        assert _cli("ls", root, "--json") == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert [r["name"] for r in rows] == ["step-2", "step-3", "step-10", "best"]
+        assert [r["step"] for r in rows] == [2, 3, 10, None]
+        assert [r["committed"] for r in rows] == [True, False, True, True]
+        for r in rows:                                   # size = the files' sizes, as listed
+            files = fs.ls(f"{base}/{r['name']}", detail=True)
+            assert r["bytes"] == sum(i["size"] for i in files) > 0
+        assert rows[2]["bytes"] > rows[0]["bytes"] > 4000 * 2
+        assert all(0 <= r["age_s"] < 3600 for r in rows)  # memory:// gives creation times
+        assert _cli("ls", root) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].split() == ["NAME", "STEP", "SIZE", "COMMITTED", "AGE"]
+        assert lines[2].split()[0] == "step-3" and lines[2].split()[-2] == "no", lines
+        assert _cli("ls", f"{root}/step-10", "--json") == 0   # ROOT is itself a checkpoint
+        rows = json.loads(capsys.readouterr().out)
+        assert [(r["name"], r["step"], r["committed"]) for r in rows] == [
+            (f"{root}/step-10", None, True)]
+        assert _cli("ls", f"{root}/missing") == 2
+        assert "missing: no such directory" in capsys.readouterr().err
+        assert _cli("ls", f"{root}/logs/x.txt") == 2
+        assert "not a directory" in capsys.readouterr().err
+    finally:
+        if fs.exists(root.split("://", 1)[1]):
+            fs.rm(root.split("://", 1)[1], recursive=True)
+
+
+def test_ls_url_root_without_times_leaves_age_blank(capsys, monkeypatch):
+    """A store whose listing gives no modification time: AGE is blank (and
+    ``mtime``/``age_s`` null), the rest as usual."""
+    fsspec = pytest.importorskip("fsspec")
+    import uuid
+    from fsspec.implementations.memory import MemoryFileSystem
+    root = f"memory://dcpx-ls-{uuid.uuid4().hex}"
+    dcpx.save({"w": torch.zeros(8)}, checkpoint_id=f"{root}/step-1")
+    real_ls = MemoryFileSystem.ls
+
+    def ls_without_times(self, path, detail=True, **kw):
+        out = real_ls(self, path, detail=detail, **kw)
+        return [{k: v for k, v in i.items() if k != "created"} for i in out] if detail else out
+
+    monkeypatch.setattr(MemoryFileSystem, "ls", ls_without_times)
+    try:
+        assert _cli("ls", root, "--json") == 0
+        rows = json.loads(capsys.readouterr().out)
+        assert [(r["name"], r["committed"], r["mtime"], r["age_s"]) for r in rows] == [
+            ("step-1", True, None, None)]
+        assert _cli("ls", root) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[1].split() == ["step-1", "1", *lines[1].split()[2:4], "yes"], lines
+    finally:
+        fsspec.filesystem("memory").rm(root.split("://", 1)[1], recursive=True)
+
+
 # -- inspect --json -------------------------------------------------------------
 
 def test_inspect_json(ckpt, capsys):

@@ -224,6 +224,178 @@ def test_interrupted_deletion_ignored_and_cleaned(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step-3", "step-4"]
 
 
+# ------------------------------------------- retention and other processes' saves
+
+# A save in another process, paused (SIGSTOP) right after it took its save
+# lock (dcpx/_locks.py): from then until its commit or failure it is live.
+PAUSED_SAVE_CHILD = r"""
+import os, signal, sys
+import torch
+import dcpx
+from dcpx import _locks
+
+claim = _locks.claim_save
+
+def claim_and_pause(directory):
+    lk = claim(directory)
+    print("locked", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)   # paused mid-save, its lock held
+    return lk
+
+_locks.claim_save = claim_and_pause
+dcpx.save({"w": torch.full((64, 64), float(sys.argv[2]))}, checkpoint_id=sys.argv[1])
+print("saved", flush=True)
+"""
+
+
+def _paused_save(step_dir: Path, value: int):
+    """A child process saving into ``step_dir``, stopped with its lock held."""
+    import subprocess
+    p = subprocess.Popen([sys.executable, "-c", PAUSED_SAVE_CHILD, str(step_dir), str(value)],
+                         stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(dcpx.__file__).parents[1])})
+    assert p.stdout.readline() == "locked\n"
+    return p
+
+
+def _make_old(d: Path) -> None:
+    old = time.time() - 7200
+    for p in [d, *d.iterdir()]:
+        os.utime(p, (old, old))
+
+
+def test_retention_never_deletes_live_save_of_another_process(tmp_path):
+    """An uncommitted step a live save in another process holds the lock of
+    is never deleted, even untouched past the grace period."""
+    with CheckpointManager(tmp_path, keep_latest_k=1, async_mode="sync") as m:
+        m.save(1, _state(1))
+    child = _paused_save(tmp_path / "step-2", 2)
+    try:
+        _make_old(tmp_path / "step-2")
+        with CheckpointManager(tmp_path, keep_latest_k=1, async_mode="sync",
+                               incomplete_grace_s=0) as m:
+            for s in (3, 4):
+                m.save(s, _state(s))
+                m.wait_for_retention()
+                assert sorted(os.listdir(tmp_path)) == ["step-2", f"step-{s}"]
+                assert 2 not in m.steps_to_delete()
+    finally:
+        child.kill()
+        child.wait()
+    assert (tmp_path / "step-2").is_dir() and not (tmp_path / "step-2" / ".metadata").exists()
+
+
+def test_retention_deletes_save_of_killed_process_at_once(tmp_path):
+    """A save SIGKILLed mid-way leaves an uncommitted step whose lock
+    nobody holds: the next pass deletes it without waiting for the grace
+    period (1 h here)."""
+    with CheckpointManager(tmp_path, keep_latest_k=1, async_mode="sync") as m:
+        m.save(1, _state(1))
+    child = _paused_save(tmp_path / "step-2", 2)
+    child.kill()
+    child.wait()
+    assert any(n.startswith(".dcpx.") for n in os.listdir(tmp_path / "step-2"))  # its dead lock
+    with CheckpointManager(tmp_path, keep_latest_k=1, async_mode="sync") as m:
+        assert m.steps_to_delete() == []  # newer than the newest committed step
+        m.save(3, _state(3))
+        m.wait_for_retention()
+        assert sorted(os.listdir(tmp_path)) == ["step-3"]
+
+
+def test_retention_never_deletes_committed_step_being_saved_again(tmp_path):
+    """A committed step beyond keep_latest_k that a live save in another
+    process is writing into again is kept; once that save has committed,
+    the step loads as that save and the next pass deletes it."""
+    with CheckpointManager(tmp_path, async_mode="sync") as m:
+        for s in (1, 2):
+            m.save(s, _state(s))
+    child = _paused_save(tmp_path / "step-1", 77)
+    try:
+        with CheckpointManager(tmp_path, keep_latest_k=1, async_mode="sync") as m:
+            m.save(3, _state(3))
+            m.wait_for_retention()
+            assert m.all_steps() == [1, 3]
+            child.send_signal(signal.SIGCONT)
+            assert child.stdout.readline() == "saved\n"
+            assert child.wait() == 0
+            sd = {"w": torch.zeros(64, 64)}
+            dcpx.load(sd, checkpoint_id=str(tmp_path / "step-1"))
+            assert torch.equal(sd["w"], torch.full((64, 64), 77.0))
+            assert m.steps_to_delete() == [1]
+            m.save(4, _state(4))
+    finally:
+        child.kill()
+        child.wait()
+    assert CheckpointManager(tmp_path).all_steps() == [4]
+
+
+def test_retention_gives_folder_back_to_save_that_locked_it_meanwhile(tmp_path, monkeypatch):
+    """A save that takes its lock between the pass's check and its rename:
+    the pass sees the lock held in the renamed folder and renames it back."""
+    from dcpx import _locks
+    from dcpx import manager as mgr
+
+    with CheckpointManager(tmp_path, async_mode="sync") as m:
+        for s in (1, 2):
+            m.save(s, _state(s))
+    real_hide = mgr._LocalRoot.hide
+    held = []
+
+    def lock_then_hide(self, name):
+        held.append(_locks.claim_save(self.path / name))  # a save starts right now
+        return real_hide(self, name)
+
+    monkeypatch.setattr(mgr._LocalRoot, "hide", lock_then_hide)
+    m = CheckpointManager(tmp_path, keep_latest_k=1)
+    assert m._apply_retention() == []
+    assert [lk.path.parent.name for lk in held] == ["step-1"]
+    assert sorted(os.listdir(tmp_path)) == ["step-1", "step-2"]
+    assert (tmp_path / "step-1" / held[0].path.name).exists()
+    held[0].release()                                      # that save ended
+    monkeypatch.setattr(mgr._LocalRoot, "hide", real_hide)
+    assert m._apply_retention() == [1]
+    assert sorted(os.listdir(tmp_path)) == ["step-2"]
+
+
+def test_retention_without_flock_falls_back_to_grace_period(tmp_path, monkeypatch):
+    """Where flock fails (ENOLCK: a file system without locks) a save lock
+    file cannot be checked: a step holding one is deleted only once
+    untouched for incomplete_grace_s, committed or not; a lock nobody holds
+    on a file system with flock is dead at once."""
+    import errno as errno_
+    import fcntl
+    from dcpx import _locks
+
+    with CheckpointManager(tmp_path, async_mode="sync") as m:
+        for s in (1, 3):
+            m.save(s, _state(s))
+    for name in ("step-1", "step-2"):  # a killed save's lock left behind
+        d = tmp_path / name
+        d.mkdir(exist_ok=True)
+        (d / f".dcpx.{uuid.uuid4().hex[:16]}.lock").write_bytes(b"")
+    (tmp_path / "step-2" / f"__0_{'0' * 16}_0.distcp").write_bytes(b"x" * 100)
+    real_flock = fcntl.flock
+
+    def no_locks(fd, op):
+        raise OSError(errno_.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(_locks.fcntl, "flock", no_locks)
+    m = CheckpointManager(tmp_path, keep_latest_k=1, async_mode="sync", incomplete_grace_s=600)
+    assert m.steps_to_delete() == []
+    _make_old(tmp_path / "step-2")
+    assert m.steps_to_delete() == [2]
+    _make_old(tmp_path / "step-1")
+    assert m.steps_to_delete() == [1, 2]
+    monkeypatch.setattr(_locks.fcntl, "flock", real_flock)
+    for name in ("step-1", "step-2"):
+        os.utime(tmp_path / name)
+        for p in (tmp_path / name).iterdir():
+            os.utime(p)
+    assert m.steps_to_delete() == [1, 2]  # flock works: both locks are dead
+    assert m._apply_retention() == [1, 2]
+    assert sorted(os.listdir(tmp_path)) == ["step-3"]
+
+
 # ---------------------------------------------------------------- resume
 
 def test_half_written_step_skipped_with_warning(tmp_path):

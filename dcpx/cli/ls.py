@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ..filesystem import METADATA_FN
-from ._common import NoCheckpoint, human
+from ..filesystem import LOCAL_PROTOCOLS, METADATA_FN, local_path, url_protocol
+from ._common import CliError, NoCheckpoint, human
 
-HELP = "list the checkpoints under a directory: step, size, committed or not, age"
+HELP = ("list the checkpoints under a directory or URL (s3://, memory://...): step, size, "
+        "committed or not, age")
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -62,8 +63,70 @@ def describe(d: Path, now: float) -> dict:
             "committed": committed, "mtime": when, "age_s": round(now - when, 3)}
 
 
+def _url_row(fs, path: str, name: str, now: float) -> Optional[dict]:
+    """A row for the folder ``path`` of an fsspec store, or None if it holds
+    no checkpoint file.  Sizes and times are what the store's listing says
+    (the time blank where the store gives none)."""
+    try:
+        infos = fs.ls(path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    files = {i["name"].rstrip("/").rsplit("/", 1)[-1]: i for i in infos if i.get("type") == "file"}
+    if not (_STEP.match(name) or any(n == METADATA_FN or n.endswith(".distcp") for n in files)):
+        return None
+    from ..manager import info_mtime
+    committed = METADATA_FN in files
+    if committed:
+        when = info_mtime(files[METADATA_FN])
+    else:
+        times = [t for t in map(info_mtime, files.values()) if t is not None]
+        when = max(times) if times else None
+    m = _STEP.match(name)
+    return {"name": name, "step": int(m.group(1)) if m else None,
+            "bytes": sum(int(i.get("size") or 0) for i in files.values()),
+            "committed": committed, "mtime": when,
+            "age_s": None if when is None else round(now - when, 3)}
+
+
+def list_url(root: str) -> list[dict]:
+    """``list_root`` for a URL root (``s3://``, ``memory://``...), through
+    the fsspec storage ``checkpoint_id`` URLs use (dcpx/fsspec.py)."""
+    from ..fsspec import url_to_fs
+    try:
+        fs, path = url_to_fs(root, {})
+    except ImportError as e:
+        raise CliError(str(e)) from e
+    path = path.rstrip("/") or path
+    if fs.isfile(path):
+        raise NoCheckpoint(f"{root}: not a directory")
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        entries = None
+    if entries is None or (not entries and not fs.isdir(path)):
+        raise NoCheckpoint(f"{root}: no such directory")
+    now = time.time()
+    row = _url_row(fs, path, root, now)
+    if row is not None:                    # ROOT is itself a checkpoint
+        return [row]
+    rows = []
+    for info in entries:
+        if info.get("type") != "directory":
+            continue
+        name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+        row = _url_row(fs, f"{path}/{name}", name, now)
+        if row is not None:
+            rows.append(row)
+    rows.sort(key=lambda x: (x["step"] is None, x["step"] if x["step"] is not None else 0,
+                             x["name"]))
+    return rows
+
+
 def list_root(root: str) -> list[dict]:
-    r = Path(root)
+    proto = url_protocol(root)
+    if proto is not None and proto not in LOCAL_PROTOCOLS:
+        return list_url(root)
+    r = local_path(root) if proto is not None else Path(root)
     if not r.exists():
         raise NoCheckpoint(f"{r}: no such directory")
     if not r.is_dir():
@@ -105,5 +168,6 @@ def run(args, out=None) -> int:
     for r in rows:
         step: Optional[int] = r["step"]
         print(f"{r['name']:<{w}}  {'-' if step is None else step:>8}  {human(r['bytes']):>10}  "
-              f"{'yes' if r['committed'] else 'no':<9}  {_age(r['age_s'])}", file=out)
+              f"{'yes' if r['committed'] else 'no':<9}  "
+              f"{'' if r['age_s'] is None else _age(r['age_s'])}".rstrip(), file=out)
     return 0
