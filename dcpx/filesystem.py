@@ -61,6 +61,10 @@ from torch.futures import Future
 from . import _C, _locks, _metadata, _values
 from ._dtypes import dlpack_export, dlpack_view, storage_type_name
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+# A save's locks are part of the commit protocol (docs/format.md): tools that
+# must tell a live save from a dead one (the CheckpointManager's retention)
+# ask through these, not through dcpx._locks.
+from ._locks import DEAD, LIVE, NO_LOCKS, UNKNOWN, save_lock_state  # noqa: F401
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "LazyItem"]
 

@@ -29,11 +29,21 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from . import _locks
 from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
 from .errors import CheckpointError, CorruptCheckpointError
-from .filesystem import LOCAL_PROTOCOLS, METADATA_FN, FileSystemReader, local_path, url_protocol
+from .filesystem import (
+    DEAD,
+    LIVE,
+    LOCAL_PROTOCOLS,
+    METADATA_FN,
+    NO_LOCKS,
+    UNKNOWN,
+    FileSystemReader,
+    local_path,
+    save_lock_state,
+    url_protocol,
+)
 
 __all__ = ["CheckpointManager", "StepSkippedWarning"]
 
@@ -104,8 +114,8 @@ class _LocalRoot:
 
     def save_state(self, name: str) -> str:
         """Whether a dcpx save is writing into the folder, from its save
-        lock files (``dcpx._locks.save_lock_state``)."""
-        return _locks.save_lock_state(self.path / name)
+        lock files (``dcpx.save_lock_state``)."""
+        return save_lock_state(self.path / name)
 
     def unhide(self, hidden: str, name: str) -> bool:
         """Undo :meth:`hide` (a save started in the folder meanwhile)."""
@@ -173,7 +183,7 @@ class _FsspecRoot:
 
     def save_state(self, name: str) -> str:
         """No lock files on a store: nothing tells a live save from a dead one."""
-        return _locks.NO_LOCKS
+        return NO_LOCKS
 
     def newest_mtime(self, name: str) -> Optional[float]:
         newest = None
@@ -479,16 +489,16 @@ class CheckpointManager:
             if s in keep:
                 continue
             state = self._root.save_state(_step_dir(s))
-            if state == _locks.LIVE:  # a save into it again, in progress
+            if state == LIVE:  # a save into it again, in progress
                 continue
-            if state == _locks.UNKNOWN and not untouched(s):  # no flock: cannot tell
+            if state == UNKNOWN and not untouched(s):  # no flock: cannot tell
                 continue
             doomed.append(s)
         for s in uncommitted:  # interrupted saves, once surely not in progress
             if s in keep or s > committed[-1]:
                 continue
             state = self._root.save_state(_step_dir(s))
-            if state == _locks.DEAD or (state != _locks.LIVE and untouched(s)):
+            if state == DEAD or (state != LIVE and untouched(s)):
                 doomed.append(s)
         return sorted(doomed)
 
@@ -529,7 +539,7 @@ class CheckpointManager:
                 continue
             # A save that took its lock between the check and the rename:
             # give the folder back (else that save fails: its folder is gone).
-            if (self._root.save_state(hidden) == _locks.LIVE
+            if (self._root.save_state(hidden) == LIVE
                     and self._root.unhide(hidden, _step_dir(s))):
                 continue
             self._root.remove(hidden)
