@@ -691,8 +691,22 @@ def test_the_load_runs_after_the_consumers_pending_kernels_and_before_its_later_
         assert seen_before.raw == bytes([rnd + 1]) * t.nbytes
         assert seen_after.raw == new
     assert lib.fake_violations() == 0
-    # The check fires: no consumer stream given, the copy overtakes the
-    # kernels (a violation), and the slow fill then overwrites the load.
+    t.free()
+
+
+_TSAN_SKIP = pytest.mark.skipif(os.environ.get("DCPX_SANITIZE") == "thread",
+                                reason="a deliberate race (kernel and copy on one buffer), "
+                                       "which TSan reports")
+
+
+@_TSAN_SKIP
+def test_the_load_ordering_check_catches_a_load_without_the_consumer_stream(lib):
+    """Control for the test above: without the consumer stream the copy
+    overtakes the pending kernel (a violation), and the slow kernel then
+    overwrites the load."""
+    lib.fake_set_delay(b"fill", 300_000)
+    dev = lib.devices[0]
+    t = FakeCudaTensor(dev, 4096)
     t.launch_fill(0x77)
     _C.cuda_copy_from_host([(t, _host(_rand(t.nbytes, 9)), "w")])
     dev.synchronize()
@@ -701,10 +715,11 @@ def test_the_load_runs_after_the_consumers_pending_kernels_and_before_its_later_
     t.free()
 
 
+@_TSAN_SKIP
 def test_a_consumer_kernel_reading_before_a_copy_finished_is_counted(lib):
     """The stand-in's new check itself: a reading kernel on another stream
     while a host-to-device copy into its memory is still queued."""
-    lib.fake_set_delay(b"copy", 20_000)
+    lib.fake_set_delay(b"copy", 300_000)
     dev = lib.devices[0]
     t = FakeCudaTensor(dev, 4096)
     src = ctypes.create_string_buffer(b"\x05" * 4096, 4096)
@@ -922,3 +937,50 @@ def test_a_corrupt_record_loading_into_cuda_is_named_and_nothing_copied(reader_c
     assert targets["w"].read() == b"\xab" * targets["w"].nbytes
     for ft in targets.values():
         ft.free()
+
+
+def test_asynchronous_staging_orders_after_the_callers_stream_not_the_stage_threads(
+        stager_cuda, lib, monkeypatch):
+    """With use_async_staging the copies run on the dcpx-stage thread,
+    whose current stream is not the caller's: stage() takes the caller's
+    current stream and the copies wait for it."""
+    import dcpx
+    main = threading.get_ident()
+    dev = lib.devices[0]
+    idle = ctypes.c_void_p()  # the stage thread's "current stream": nothing queued
+    dev.enter()
+    assert lib.cuStreamCreate(ctypes.byref(idle), 1) == 0
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: SimpleNamespace(
+        cuda_stream=lib.devices[0].stream if threading.get_ident() == main else idle.value))
+    lib.fake_set_delay(b"fill", 20_000)
+    ts = [FakeCudaTensor(dev, 3000 + i, honour_stream=False) for i in range(3)]
+    offs, total = _layout([t.nbytes for t in ts])
+    b = stager_cuda._Buffer(total, shared=False, pin=True)
+    pairs = [(_TorchLike(t), o, f"w{i}") for i, (t, o) in enumerate(zip(ts, offs))]
+    seen = []
+
+    def stage_flat(state_dict, flat, mappings, streams=None):
+        seen.append(streams)
+        stager_cuda.DefaultStager._copy_from_devices(pairs, b.base, streams)
+        return state_dict
+
+    with dcpx.DefaultStager(dcpx.StagingOptions(use_async_staging=True)) as stager:
+        stager._cuda = True
+        monkeypatch.setattr(stager, "_stage_flat", stage_flat)
+        for rnd in range(3):
+            for i, t in enumerate(ts):
+                t.launch_fill(0x20 + rnd * 4 + i)
+            stager.stage({"x": 1}).result()
+            raw = b.base.numpy().tobytes()
+            for i, (t, o) in enumerate(zip(ts, offs)):
+                assert raw[o:o + t.nbytes] == bytes([0x20 + rnd * 4 + i]) * t.nbytes
+    assert seen == [{0: dev.stream}] * 3
+    assert lib.fake_violations() == 0
+    b.release()
+    lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+    assert lib.cuStreamDestroy_v2(idle.value) == 0
+    for t in ts:
+        t.free()
