@@ -984,3 +984,43 @@ def test_asynchronous_staging_orders_after_the_callers_stream_not_the_stage_thre
     assert lib.cuStreamDestroy_v2(idle.value) == 0
     for t in ts:
         t.free()
+
+
+def test_a_load_buffer_that_cannot_be_pinned_warns_and_loads_through_pageable_memory(
+        reader_cuda, lib, tmp_path):
+    sd, path = _saved(tmp_path)
+    reader, reads, targets = _reads(reader_cuda, path, lib, sd)
+    registered = lib.fake_registered()
+    lib.fake_fail(b"cuMemHostRegister_v2", 1, OUT_OF_MEMORY)
+    with pytest.warns(RuntimeWarning, match="cannot page-lock"):
+        reader.read_tensors(reads)
+    assert lib.fake_registered() == registered
+    for key, v in sd.items():
+        assert targets[key].read() == _raw(v), key
+        targets[key].free()
+
+
+def test_loads_into_cuda_tensors_from_several_threads_at_once(reader_cuda, lib, tmp_path):
+    """Each thread's load is bit exact; they take turns on the one buffer."""
+    sd, path = _saved(tmp_path)
+    errors = []
+
+    def worker(n):
+        try:
+            for _ in range(3):
+                reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(n % 2,))
+                reader.read_tensors(reads)
+                for key, v in sd.items():
+                    assert targets[key].read() == _raw(v), key
+                    targets[key].free()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert lib.fake_violations() == 0
+    assert lib.fake_calls(b"cuMemHostRegister_v2") == 1
