@@ -908,7 +908,9 @@ class FileSystemReader(StorageReader):
         memory when it is contiguous host memory of the saved shape and dtype,
         else through a temporary of the saved chunk (saved dtype), then
         ``target.copy_(chunk narrowed)``: torch's own read_data step, which
-        also casts to the target's dtype.  Temporaries are held for at most
+        also casts to the target's dtype.  A contiguous CUDA target of the
+        saved shape and dtype goes through the page-locked load buffer and
+        dcpx's stream instead (``_read_to_devices``).  Temporaries are held for at most
         ``_TEMP_BUDGET`` bytes of chunks at a time (or one chunk if larger)."""
         direct, staged, device = [], [], []
         for r in reads:
