@@ -29,6 +29,7 @@ SOURCES = [
     "csrc/workers.c",
     "csrc/cuda.c",
     "csrc/cuda_stage.c",
+    "csrc/cuda_load.c",
     "csrc/files.c",
 ]
 

@@ -30,6 +30,7 @@
     X(cuStreamDestroy_v2) X(cuStreamSynchronize) X(cuStreamWaitEvent)     \
     X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize)               \
     X(cuEventQuery) X(cuEventDestroy_v2) X(cuMemcpyDtoHAsync_v2)          \
+    X(cuMemcpyHtoDAsync_v2)                                               \
     X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuGetErrorName)      \
     X(cuGetErrorString)
 
@@ -76,5 +77,7 @@ PyObject *dcpx_cuda_host_unregister(PyObject *module, PyObject *args);
 PyObject *dcpx_cuda_release_all(PyObject *module, PyObject *unused);
 PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
                               PyObject *kwds);
+PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
+                                   PyObject *kwds);
 
 #endif /* DCPX_CUDA_API_H */

@@ -60,6 +60,8 @@ CUresult cuEventQuery(CUevent hEvent);
 CUresult cuEventDestroy_v2(CUevent hEvent);
 CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice,
                               size_t ByteCount, CUstream hStream);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost,
+                              size_t ByteCount, CUstream hStream);
 CUresult cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags);
 CUresult cuMemHostUnregister(void *p);
 CUresult cuGetErrorName(CUresult error, const char **pStr);

@@ -254,6 +254,14 @@ PyDoc_STRVAR(cuda_copy_doc,
              "wait_streams: [(device, stream_handle)] to order after "
              "(csrc/cuda_stage.c).");
 
+PyDoc_STRVAR(cuda_load_doc,
+             "cuda_copy_from_host($module, pairs, consumer_streams=())\n--\n\n"
+             "Copy host buffers into CUDA tensors on dcpx's own stream, "
+             "after the consumer streams' pending work and before their "
+             "later work (events), and wait for the copies without the GIL. "
+             " pairs: [(dst, src, name)]; consumer_streams: [(device, "
+             "stream_handle)] (csrc/cuda_load.c).");
+
 static PyMethodDef dcpx_methods[] = {
     {"cuda_driver_version", dcpx_cuda_driver_version, METH_NOARGS,
      cuda_version_doc},
@@ -265,6 +273,9 @@ static PyMethodDef dcpx_methods[] = {
      cuda_release_doc},
     {"cuda_copy_into", (PyCFunction)(void (*)(void))dcpx_cuda_copy_into,
      METH_VARARGS | METH_KEYWORDS, cuda_copy_doc},
+    {"cuda_copy_from_host",
+     (PyCFunction)(void (*)(void))dcpx_cuda_copy_from_host,
+     METH_VARARGS | METH_KEYWORDS, cuda_load_doc},
     {"check_pickle", dcpx_check_pickle, METH_VARARGS, check_pickle_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},

@@ -21,7 +21,7 @@ def check_pickle(data: bytes | bytearray | memoryview, /) -> None: ...
 def prefault(tensor: Any, threads: int = 1) -> None: ...
 def copy_into(pairs: Sequence[Tuple[Any, Any]], threads: int = 1, base: Any = None) -> None: ...
 
-# The CUDA path (csrc/cuda.c, csrc/cuda_stage.c; docs/design.md, "CUDA path").
+# The CUDA path (csrc/cuda.c, csrc/cuda_stage.c, csrc/cuda_load.c; docs/design.md, "CUDA path").
 class CudaError(RuntimeError):
     code: int
 
@@ -33,6 +33,10 @@ def cuda_copy_into(
     pairs: Sequence[Tuple[Any, ...]],
     base: Any,
     wait_streams: Sequence[Tuple[int, int]] = (),
+) -> None: ...
+def cuda_copy_from_host(
+    pairs: Sequence[Tuple[Any, Any, str]],
+    consumer_streams: Sequence[Tuple[int, int]] = (),
 ) -> None: ...
 
 class WriteJob:

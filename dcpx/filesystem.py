@@ -31,7 +31,9 @@ import io
 import os
 import re
 import stat
+import threading
 import uuid
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
@@ -59,7 +61,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import _C, _locks, _metadata, _values
-from ._dtypes import dlpack_export, dlpack_view, storage_type_name
+from ._dtypes import _TO_DLPACK, dlpack_export, dlpack_view, storage_type_name
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 # A save's locks are part of the commit protocol (docs/format.md): tools that
 # must tell a live save from a dead one (the CheckpointManager's retention)
@@ -794,6 +796,40 @@ class _TensorRead(NamedTuple):
     narrow: Optional[tuple]    # (storage_offsets, lengths) within the chunk
 
 
+def _reads_to_device(r: _TensorRead) -> bool:
+    """Whether r's chunk can go to its CUDA target by the C load path
+    (csrc/cuda_load.c): a contiguous CUDA tensor of the saved shape and
+    dtype.  Casting or narrowing reads keep the temporary + ``copy_``."""
+    t = r.target
+    return (r.narrow is None and t.dtype == r.dtype and t.shape == r.chunk
+            and t.device.type == "cuda" and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
+
+
+#: bytes of the page-locked host buffer that loads into CUDA tensors read
+#: through (one per process, page-locked once and reused by every load); a
+#: chunk larger than this is read into a pageable temporary of its own
+_PINNED_LOAD = 64 << 20
+_pinned_lock = threading.Lock()
+_pinned_buffer: Optional[torch.Tensor] = None
+
+
+def _pinned_load_buffer() -> torch.Tensor:
+    """The process's load bounce buffer (_pinned_lock held), page-locked by
+    the C CUDA path at first use; a refusal warns and leaves it pageable.
+    Unregistered at interpreter exit (``_C.cuda_release_all``)."""
+    global _pinned_buffer
+    if _pinned_buffer is None:
+        buf = torch.empty(_PINNED_LOAD, dtype=torch.uint8)
+        try:
+            _C.cuda_host_register(buf)  # False, with a RuntimeWarning, if refused
+        except _C.CudaError as e:
+            warnings.warn(f"{e}; loading through pageable memory", RuntimeWarning,
+                          stacklevel=3)
+        _pinned_buffer = buf
+    return _pinned_buffer
+
+
 def _reads_in_place(r: _TensorRead) -> bool:
     """Whether the C reader can read r's chunk straight into its target:
     contiguous host memory of the saved shape and dtype."""
@@ -1060,13 +1096,22 @@ class FileSystemReader(StorageReader):
         memory when it is contiguous host memory of the saved shape and dtype,
         else through a temporary of the saved chunk (saved dtype), then
         ``target.copy_(chunk narrowed)``: torch's own read_data step, which
-        also casts to the target's dtype.  Temporaries are held for at most
+        also casts to the target's dtype.  A contiguous CUDA target of the
+        saved shape and dtype goes through the page-locked load buffer and
+        dcpx's stream instead (``_read_to_devices``).  Temporaries are held for at most
         ``_TEMP_BUDGET`` bytes of chunks at a time (or one chunk if larger)."""
-        direct, staged = [], []
+        direct, staged, device = [], [], []
         for r in reads:
             if r.target.dtype != r.dtype:
                 check_castable(r.key, r.dtype, r.target)
-            (direct if _reads_in_place(r) else staged).append(r)
+            if _reads_in_place(r):
+                direct.append(r)
+            elif _reads_to_device(r):
+                device.append(r)
+            else:
+                staged.append(r)
+        if device:
+            self._read_to_devices(device)
         batch: list = []
         nbytes = 0
         for r in staged:
@@ -1078,6 +1123,49 @@ class FileSystemReader(StorageReader):
             nbytes += size
         if direct or batch:
             self._read_batch(direct, batch)
+
+    def _read_to_devices(self, reads: Sequence[_TensorRead]) -> None:
+        """Reads into contiguous CUDA tensors of the saved dtype and shape:
+        the C readers read each chunk into the process's page-locked load
+        buffer (``_PINNED_LOAD`` bytes, batches that fit it, one load at a
+        time), then ``_C.cuda_copy_from_host`` copies it to the device on
+        dcpx's own stream, after the work queued so far on each device's
+        current stream and before that stream's later work (events), and
+        returns once the buffer may be reused.  A chunk larger than the
+        buffer goes through a pageable temporary of its own."""
+        def flush(batch: list) -> None:
+            # The host slices are the reads' targets: contiguous CPU, same
+            # dtype and shape, so _read_batch reads straight into them (and
+            # handles torch-only records and errors, naming the key).
+            self._read_batch([r._replace(target=h) for r, h in batch], [])
+            pairs = []
+            for r, h in batch:
+                t = dlpack_view(r.target)
+                if _TO_DLPACK is not None and type(t) is torch.Tensor:
+                    t = _TO_DLPACK(t)
+                pairs.append((t, dlpack_view(h), r.key))
+            consumers = [(dev.index, torch.cuda.current_stream(dev).cuda_stream)
+                         for dev in {r.target.device for r, _ in batch}]
+            _C.cuda_copy_from_host(pairs, consumer_streams=consumers)
+
+        with _pinned_lock:
+            buf = _pinned_load_buffer()
+            batch: list = []
+            used = 0
+            for r in reads:
+                size = r.chunk.numel() * r.dtype.itemsize
+                if size > _PINNED_LOAD:
+                    flush([(r, torch.empty(r.chunk, dtype=r.dtype))])
+                    continue
+                off = -(-used // 64) * 64
+                if off + size > _PINNED_LOAD:
+                    flush(batch)
+                    batch, off = [], 0
+                host = buf[off:off + size].view(r.dtype).view(r.chunk)
+                batch.append((r, host))
+                used = off + size
+            if batch:
+                flush(batch)
 
     def _read_batch(self, direct: Sequence[_TensorRead], staged: Sequence[_TensorRead]) -> None:
         """One C read of ``direct`` reads (into their targets) and ``staged``

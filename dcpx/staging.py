@@ -254,7 +254,10 @@ class DefaultStager:
             raise RuntimeError("dcpx: DefaultStager is closed")
         self.wait_for_lease()
         if self._executor is not None:
-            self._staging_future = self._executor.submit(self._stage, state_dict)
+            # The dcpx-stage thread's current stream is not the caller's:
+            # the copies are ordered after the caller's, taken here.
+            streams = self._caller_streams() if self._cuda else None
+            self._staging_future = self._executor.submit(self._stage, state_dict, streams)
             return self._staging_future
         return self._stage(state_dict)
 
@@ -339,11 +342,24 @@ class DefaultStager:
             return layout.flat, layout.mappings
         return None
 
-    def _stage(self, state_dict: dict) -> dict:
-        with paused_gc():
-            return self._stage_flat(state_dict, *flatten_state_dict(state_dict))
+    @staticmethod
+    def _caller_streams() -> Optional[dict]:
+        """{device index: stream handle} of the calling thread's current
+        stream on its current device, for asynchronous staging, or None
+        when CUDA is not initialised (then no tensor is on a GPU, and
+        nothing here initialises it).  Other devices' tensors are ordered
+        after the dcpx-stage thread's current stream on them."""
+        if not torch.cuda.is_initialized():
+            return None
+        dev = torch.cuda.current_device()
+        return {dev: torch.cuda.current_stream(torch.device("cuda", dev)).cuda_stream}
 
-    def _stage_flat(self, state_dict: dict, flat: dict, mappings: dict) -> dict:
+    def _stage(self, state_dict: dict, streams: Optional[dict] = None) -> dict:
+        with paused_gc():
+            return self._stage_flat(state_dict, *flatten_state_dict(state_dict), streams=streams)
+
+    def _stage_flat(self, state_dict: dict, flat: dict, mappings: dict,
+                    streams: Optional[dict] = None) -> dict:
         for k, v in flat.items():
             if isinstance(v, torch.Tensor):
                 check_saveable(_local(v), k)  # the errors dcpx.save gives, naming the key
@@ -374,17 +390,20 @@ class DefaultStager:
                     other_pairs.append((v.detach(), dst))
             _C.copy_into(host_pairs, threads=_copy_threads(), base=layout.buffer.base)
             if cuda_pairs:
-                self._copy_from_devices(cuda_pairs, layout.buffer.base)
+                self._copy_from_devices(cuda_pairs, layout.buffer.base, streams)
             for src, dst in other_pairs:
                 dst.detach().copy_(src)
             self.stage_count += 1
             return layout.state_dict
 
     @staticmethod
-    def _copy_from_devices(pairs: list, base: torch.Tensor) -> None:
+    def _copy_from_devices(pairs: list, base: torch.Tensor,
+                           streams: Optional[dict] = None) -> None:
         """Device-to-host copies by the C CUDA path (csrc/cuda_stage.c):
         on dcpx's own stream per device, ordered after the work queued so
-        far on each device's current stream (an event recorded there),
+        far on each device's current stream, or the stream ``streams``
+        gives for it (the caller's, when staging runs on the dcpx-stage
+        thread) (an event recorded there),
         returning once every byte is in ``base``.  pairs: [(tensor,
         byte_offset, key)].  A non-contiguous tensor is made contiguous on
         its device first (on the current stream, so the event covers it)."""
@@ -394,7 +413,8 @@ class DefaultStager:
             if not v.is_contiguous():
                 v = v.contiguous()
             items.append((_TO_DLPACK(v) if _TO_DLPACK is not None else v, off, key))
-        waits = [(dev.index, torch.cuda.current_stream(dev).cuda_stream)
+        waits = [(dev.index, streams[dev.index] if streams and dev.index in streams
+                  else torch.cuda.current_stream(dev).cuda_stream)
                  for dev in {v.device for v, _, _ in pairs}]
         _C.cuda_copy_into(items, base, wait_streams=waits)
 

@@ -41,6 +41,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.fake_device_alloc.argtypes = [c_int, c_size_t]
     lib.fake_device_free.argtypes = [c_void_p]
     lib.fake_launch_fill.argtypes = [c_void_p, c_void_p, c_int, c_size_t]
+    lib.fake_launch_read.argtypes = [c_void_p, c_void_p, c_size_t, c_void_p]
+    lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_ulonglong, c_void_p, c_size_t, c_void_p]
     lib.fake_fail.argtypes = [ctypes.c_char_p, c_long, c_int]
     lib.fake_fail_async.argtypes = [c_long, c_int]
     lib.fake_set_delay.argtypes = [ctypes.c_char_p, c_long]
@@ -133,6 +135,12 @@ class FakeCudaTensor:
         """A kernel on the producer's stream writing `byte` everywhere."""
         check(self.lib.fake_launch_fill(self.device.stream, self.ptr, byte, self.nbytes),
               "fake_launch_fill")
+
+    def launch_read(self, out) -> None:
+        """A consumer kernel on the producer's stream copying the tensor's
+        bytes into the host buffer `out` (a ctypes buffer) when it runs."""
+        check(self.lib.fake_launch_read(self.device.stream, self.ptr, self.nbytes, out),
+              "fake_launch_read")
 
     def capsule(self):
         """A DLPack capsule with no stream handshake (the caller's job)."""

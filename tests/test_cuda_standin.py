@@ -1,4 +1,4 @@
-"""dcpx's C CUDA path (csrc/cuda.c, csrc/cuda_stage.c) against a stand-in
+"""dcpx's C CUDA path (csrc/cuda.c, csrc/cuda_stage.c, csrc/cuda_load.c) against a stand-in
 driver (tests/fake_cuda/fake_libcuda.c, built here with the C compiler):
 no GPU is needed, and none has run these paths; see docs/design.md, "CUDA
 path".
@@ -11,7 +11,11 @@ one page-locked buffer serves every save; each injected driver failure
 raises CudaError naming the call, code and tensor, and leaves no copy in
 flight; DLPack deleters run exactly once; a forked child makes no driver
 call; closing releases what was pinned and retained; a missing, too old
-or device-less driver is reported clearly.  The cases that need a fresh
+or device-less driver is reported clearly.  Loads: host-to-device copies
+are bit exact, run after the consumer stream's pending kernels (writing or
+reading the destination) and before its later ones, each injected failure
+is named with the call and key, and FileSystemReader reads CUDA
+destinations through one page-locked buffer reused by every load.  The cases that need a fresh
 process (how the driver is first loaded) run in a subprocess.
 """
 from __future__ import annotations
@@ -625,6 +629,398 @@ def test_the_cuda_sources_compile_with_and_without_the_toolkit(with_toolkit):
              "-I", sysconfig.get_paths()["include"]]
     if with_toolkit:
         flags += ["-DDCPX_HAVE_CUDA_H", "-I", _toolkit_include()]
-    for src in ("cuda.c", "cuda_stage.c", "module.c"):
+    for src in ("cuda.c", "cuda_stage.c", "cuda_load.c", "module.c"):
         r = subprocess.run(["cc", *flags, str(REPO / "csrc" / src)], capture_output=True, text=True)
         assert r.returncode == 0, (src, r.stderr)
+
+
+# --------------------------------------------------------------------------
+# loads: host-to-device copies (csrc/cuda_load.c) and FileSystemReader's
+# reads into CUDA tensors over them
+
+def _host(data: bytes) -> torch.Tensor:
+    return torch.tensor(list(data), dtype=torch.uint8) if len(data) < 64 else \
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _consumers(lib):
+    return [(d.dev, d.stream) for d in lib.devices]
+
+
+@pytest.mark.parametrize("bits", [8, 16, 32, 64])
+def test_host_to_device_copies_are_bit_exact_across_devices_and_dtypes(lib, bits):
+    sizes = [0, 1, 7, 64, 4096, 100_003]
+    ts, want = [], []
+    for i, n in enumerate(sizes):
+        t = FakeCudaTensor(lib.devices[i % 2], shape=(n,), bits=bits)
+        t.write(b"\xee" * t.nbytes)
+        ts.append(t)
+        want.append(_rand(t.nbytes, 50 + i + bits))
+    pairs = [(t, _host(w), f"t{i}") for i, (t, w) in enumerate(zip(ts, want))]
+    _C.cuda_copy_from_host(pairs, consumer_streams=_consumers(lib))
+    assert [t.read() for t in ts] == want
+    assert lib.fake_calls(b"cuMemcpyHtoDAsync_v2") == len(sizes) - 1  # not the empty one
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == len(sizes) - 1
+    assert lib.fake_violations() == 0
+    # A capsule as the destination (the loader hands torch's own exports).
+    _C.cuda_copy_from_host([(ts[3].capsule(), _host(want[3][::-1]), "c")])
+    assert ts[3].read() == want[3][::-1]
+    for t in ts:
+        t.free()
+
+
+def test_the_load_runs_after_the_consumers_pending_kernels_and_before_its_later_ones(lib):
+    """The caller's stream has a slow kernel writing the destination and
+    one reading it, queued before the load: the copy must wait for both
+    (the reader sees the old bytes, the loaded bytes are not overwritten);
+    a reader queued after the call sees the new bytes.  Without the
+    consumer streams, the stand-in shows the copy racing the kernels."""
+    lib.fake_set_delay(b"fill", 20_000)
+    dev = lib.devices[0]
+    t = FakeCudaTensor(dev, 1 << 16)
+    for rnd in range(4):
+        new = _rand(t.nbytes, rnd)
+        seen_before = ctypes.create_string_buffer(t.nbytes)
+        seen_after = ctypes.create_string_buffer(t.nbytes)
+        t.launch_fill(rnd + 1)              # e.g. the optimizer's last step
+        t.launch_read(seen_before)          # e.g. a forward pass still running
+        _C.cuda_copy_from_host([(t, _host(new), "w")], consumer_streams=[(0, dev.stream)])
+        t.launch_read(seen_after)
+        dev.synchronize()
+        assert t.read() == new
+        assert seen_before.raw == bytes([rnd + 1]) * t.nbytes
+        assert seen_after.raw == new
+    assert lib.fake_violations() == 0
+    t.free()
+
+
+_TSAN_SKIP = pytest.mark.skipif(os.environ.get("DCPX_SANITIZE") == "thread",
+                                reason="a deliberate race (kernel and copy on one buffer), "
+                                       "which TSan reports")
+
+
+@_TSAN_SKIP
+def test_the_load_ordering_check_catches_a_load_without_the_consumer_stream(lib):
+    """Control for the test above: without the consumer stream the copy
+    overtakes the pending kernel (a violation), and the slow kernel then
+    overwrites the load."""
+    lib.fake_set_delay(b"fill", 300_000)
+    dev = lib.devices[0]
+    t = FakeCudaTensor(dev, 4096)
+    t.launch_fill(0x77)
+    _C.cuda_copy_from_host([(t, _host(_rand(t.nbytes, 9)), "w")])
+    dev.synchronize()
+    assert lib.fake_violations() >= 1
+    assert t.read() == b"\x77" * t.nbytes
+    t.free()
+
+
+@_TSAN_SKIP
+def test_a_consumer_kernel_reading_before_a_copy_finished_is_counted(lib):
+    """The stand-in's new check itself: a reading kernel on another stream
+    while a host-to-device copy into its memory is still queued."""
+    lib.fake_set_delay(b"copy", 300_000)
+    dev = lib.devices[0]
+    t = FakeCudaTensor(dev, 4096)
+    src = ctypes.create_string_buffer(b"\x05" * 4096, 4096)
+    out = ctypes.create_string_buffer(4096)
+    other = ctypes.c_void_p()
+    dev.enter()
+    assert lib.cuStreamCreate(ctypes.byref(other), 1) == 0
+    assert lib.cuMemcpyHtoDAsync_v2(t.ptr, src, 4096, other.value) == 0
+    t.launch_read(out)  # on the device's stream, not ordered after the copy
+    dev.synchronize()
+    lib.cuStreamSynchronize(other.value)
+    assert lib.fake_violations() == 1
+    lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+    assert lib.cuStreamDestroy_v2(other.value) == 0
+    t.free()
+
+
+LOAD_FAILURES = [
+    # (entry point, nth call, code, what the message names)
+    ("cuMemcpyHtoDAsync_v2", 2, INVALID_VALUE, "cuMemcpyHtoDAsync for tensor 'b' on device 0"),
+    ("cuMemcpyHtoDAsync_v2", 4, OUT_OF_MEMORY, "cuMemcpyHtoDAsync for tensor 'd' on device 1"),
+    ("cuEventRecord", 1, INVALID_VALUE, "cuEventRecord on the consumer's stream on device 0"),
+    ("cuEventRecord", 3, INVALID_VALUE, "cuEventRecord for tensor 'c' on device 0"),
+    ("cuStreamWaitEvent", 1, INVALID_VALUE, "cuStreamWaitEvent on device 0"),
+    ("cuStreamWaitEvent", 3, INVALID_VALUE,
+     "cuStreamWaitEvent on the consumer's stream for tensor 'c' on device 0"),
+    ("cuEventSynchronize", 1, ILLEGAL_ADDRESS, "cuEventSynchronize (host-to-device copies) on "
+                                               "device 0"),
+    ("cuEventCreate", 2, OUT_OF_MEMORY, "cuEventCreate on device 0"),
+    ("cuCtxSetCurrent", 1, INVALID_CONTEXT, "cuCtxSetCurrent on device 0"),
+    ("cuCtxSetCurrent", 9, INVALID_CONTEXT, "cuCtxSetCurrent for tensor 'a' on device 0"),
+    ("cuCtxSetCurrent", 10, INVALID_CONTEXT, "cuCtxSetCurrent for tensor 'd' on device 1"),
+]
+
+
+@pytest.mark.parametrize("call,nth,code,names", LOAD_FAILURES,
+                         ids=[f"{f[0]}-{f[1]}" for f in LOAD_FAILURES])
+def test_every_injected_load_failure_raises_clearly_and_leaves_nothing_in_flight(
+        lib, call, nth, code, names):
+    ts = [FakeCudaTensor(lib.devices[0], 5000 + i) for i in range(3)]
+    ts.append(FakeCudaTensor(lib.devices[1], 777))
+    data = [_rand(t.nbytes, 70 + i) for i, t in enumerate(ts)]
+    pairs = [(t.capsule(), _host(d), k) for t, d, k in zip(ts, data, "abcd")]
+    lib.fake_set_delay(b"copy", 2_000)
+    lib.fake_fail(call.encode(), nth, code)
+    with pytest.raises(_C.CudaError) as ei:
+        _C.cuda_copy_from_host(pairs, consumer_streams=_consumers(lib))
+    assert ei.value.code == code
+    msg = str(ei.value)
+    assert names in msg and call.removesuffix("_v2") in msg, msg
+    # Nothing still reads the host buffers once the call has failed.
+    assert lib.fake_copies_run() == lib.fake_copies_queued()
+    # The next load works.
+    lib.fake_reset()
+    _C.cuda_copy_from_host([(t, _host(d), k) for t, d, k in zip(ts, data, "abcd")],
+                           consumer_streams=_consumers(lib))
+    assert [t.read() for t in ts] == data
+    for t in ts:
+        t.free()
+
+
+def test_an_asynchronous_load_failure_is_reported_by_the_wait(lib):
+    ts = [FakeCudaTensor(lib.devices[0], 4096) for _ in range(3)]
+    lib.fake_fail_async(2, ILLEGAL_ADDRESS)
+    with pytest.raises(_C.CudaError, match="cuEventSynchronize .*CUDA_ERROR_ILLEGAL_ADDRESS") as ei:
+        _C.cuda_copy_from_host([(t, _host(bytes(4096)), f"k{i}") for i, t in enumerate(ts)])
+    assert ei.value.code == ILLEGAL_ADDRESS
+    assert lib.fake_copies_run() == lib.fake_copies_queued()
+    for t in ts:
+        t.free()
+
+
+@pytest.mark.parametrize("case", ["host_dst", "size", "cuda_src", "noncontig", "bad_device"])
+def test_bad_load_pairs_are_refused_before_any_copy(lib, case):
+    t = FakeCudaTensor(lib.devices[0], 64)
+    src = _host(bytes(64))
+    if case == "host_dst":
+        pairs, match = [(t, src, "w"), (torch.zeros(64, dtype=torch.uint8), src, "h")], \
+            "tensor 'h' is not on a CUDA device"
+    elif case == "size":
+        pairs, match = [(t, _host(bytes(65)), "w")], "'w' has a source of a different byte size"
+    elif case == "cuda_src":
+        pairs, match = [(t, FakeCudaTensor(lib.devices[0], 64), "w")], "not contiguous host"
+    elif case == "noncontig":
+        nc = FakeCudaTensor(lib.devices[0], shape=(4, 4), bits=32, strides=(1, 4))
+        pairs, match = [(nc, src, "w")], "'w' is not contiguous"
+    else:  # a consumer stream on a device the process cannot see
+        with pytest.raises(_C.CudaError, match="CUDA device 5, but this process sees 2"):
+            _C.cuda_copy_from_host([(t, src, "w")], consumer_streams=[(5, 0)])
+        assert lib.fake_copies_queued() == 0
+        t.free()
+        return
+    with pytest.raises(ValueError, match=match):
+        _C.cuda_copy_from_host(pairs)
+    assert lib.fake_copies_queued() == 0
+    t.free()
+
+
+class _CudaTarget(_TorchLike):
+    """A stand-in tensor as FileSystemReader sees a CUDA destination."""
+
+    def __init__(self, t: FakeCudaTensor, dtype: torch.dtype, shape) -> None:
+        super().__init__(t)
+        self.dtype, self.shape = dtype, torch.Size(shape)
+
+
+@pytest.fixture
+def reader_cuda(lib, monkeypatch):
+    """dcpx.filesystem with a small page-locked load buffer (so that loads
+    span several batches and one chunk exceeds it) and the stand-in's
+    device streams as torch's current streams."""
+    from types import SimpleNamespace
+
+    from dcpx import filesystem
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda dev: SimpleNamespace(cuda_stream=lib.devices[dev.index].stream))
+    monkeypatch.setattr(filesystem, "_PINNED_LOAD", 16384)
+    monkeypatch.setattr(filesystem, "_pinned_buffer", None)
+    yield filesystem
+    if filesystem._pinned_buffer is not None:
+        _C.cuda_host_unregister(filesystem._pinned_buffer)
+
+
+def _saved(tmp_path):
+    import dcpx
+    g = torch.Generator().manual_seed(3)
+    sd = {"emb": torch.randn(40, 30, generator=g),                   # 4800 B
+          "w": torch.randn(1000, generator=g, dtype=torch.float64),  # 8000 B
+          "big": torch.randint(0, 255, (20000,), dtype=torch.uint8, generator=g),  # > buffer
+          "h": torch.randn(7, 3, generator=g).to(torch.bfloat16),
+          "empty": torch.empty(0, 5),
+          "b": torch.tensor([True, False, True])}
+    dcpx.save(sd, checkpoint_id=str(tmp_path / "ckpt"))
+    return sd, tmp_path / "ckpt"
+
+
+def _reads(filesystem, path, lib, sd, devs=(0, 1)):
+    import dcpx
+    reader = dcpx.FileSystemReader(str(path))
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    infos = {k.fqn: v for k, v in md.storage_data.items()}
+    reads, targets = [], {}
+    for i, (key, v) in enumerate(sd.items()):
+        ft = FakeCudaTensor(lib.devices[devs[i % len(devs)]], v.numel() * v.element_size())
+        ft.write(b"\xab" * ft.nbytes)
+        targets[key] = ft
+        reads.append(filesystem._TensorRead(key, infos[key], v.shape, v.dtype,
+                                            _CudaTarget(ft, v.dtype, v.shape), None))
+    return reader, reads, targets
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def test_loads_into_cuda_tensors_go_through_one_reused_pinned_buffer(reader_cuda, lib, tmp_path):
+    """FileSystemReader.read_tensors: CUDA destinations of the saved dtype
+    and shape are read into the page-locked load buffer and copied to the
+    device by the C path, bit exact, ordered after the current streams'
+    pending kernels; the buffer is pinned once and reused by every load,
+    and a chunk larger than it goes through a pageable temporary."""
+    sd, path = _saved(tmp_path)
+    lib.fake_set_delay(b"fill", 10_000)
+    registered = lib.fake_registered()
+    for rnd in range(3):
+        reader, reads, targets = _reads(reader_cuda, path, lib, sd)
+        for ft in targets.values():
+            if ft.nbytes:
+                ft.launch_fill(0x10 + rnd)  # pending work on the caller's stream
+        reader.read_tensors(reads)
+        for key, v in sd.items():
+            assert targets[key].read() == _raw(v), key
+            targets[key].free()
+    assert lib.fake_violations() == 0
+    assert lib.fake_calls(b"cuMemHostRegister_v2") == 1
+    assert lib.fake_registered() == registered + 1
+    assert reader_cuda._pinned_buffer.numel() == 16384
+    # 5 non-empty tensors a round: each copied once, from the buffer or
+    # from the large chunk's temporary.
+    assert lib.fake_calls(b"cuMemcpyHtoDAsync_v2") == 3 * 5
+
+
+def test_a_load_failure_names_the_key_and_the_next_load_works(reader_cuda, lib, tmp_path):
+    sd, path = _saved(tmp_path)
+    reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(0,))
+    # Copies in read order: "big" alone (larger than the buffer), then the
+    # batch "emb", "w", ...
+    lib.fake_fail(b"cuMemcpyHtoDAsync_v2", 3, OUT_OF_MEMORY)
+    with pytest.raises(_C.CudaError, match="cuMemcpyHtoDAsync for tensor 'w' on device 0"):
+        reader.read_tensors(reads)
+    assert lib.fake_copies_run() == lib.fake_copies_queued()
+    lib.fake_reset()
+    reader.read_tensors(reads)
+    for key, v in sd.items():
+        assert targets[key].read() == _raw(v), key
+        targets[key].free()
+
+
+def test_a_corrupt_record_loading_into_cuda_is_named_and_nothing_copied(reader_cuda, lib,
+                                                                         tmp_path):
+    from dcpx.errors import CorruptCheckpointError
+    sd, path = _saved(tmp_path)
+    reader, reads, targets = _reads(reader_cuda, path, lib, sd)
+    r = next(r for r in reads if r.key == "w")
+    f = path / r.info.relative_path
+    raw = bytearray(f.read_bytes())
+    at = raw.find(_raw(sd["w"]), r.info.offset)
+    assert r.info.offset < at < r.info.offset + r.info.length
+    raw[at + 100] ^= 0xFF  # inside w's tensor bytes
+    f.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="'w'"):
+        reader.read_tensors([r])
+    assert lib.fake_copies_queued() == 0
+    assert targets["w"].read() == b"\xab" * targets["w"].nbytes
+    for ft in targets.values():
+        ft.free()
+
+
+def test_asynchronous_staging_orders_after_the_callers_stream_not_the_stage_threads(
+        stager_cuda, lib, monkeypatch):
+    """With use_async_staging the copies run on the dcpx-stage thread,
+    whose current stream is not the caller's: stage() takes the caller's
+    current stream and the copies wait for it."""
+    import dcpx
+    main = threading.get_ident()
+    dev = lib.devices[0]
+    idle = ctypes.c_void_p()  # the stage thread's "current stream": nothing queued
+    dev.enter()
+    assert lib.cuStreamCreate(ctypes.byref(idle), 1) == 0
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: SimpleNamespace(
+        cuda_stream=lib.devices[0].stream if threading.get_ident() == main else idle.value))
+    lib.fake_set_delay(b"fill", 20_000)
+    ts = [FakeCudaTensor(dev, 3000 + i, honour_stream=False) for i in range(3)]
+    offs, total = _layout([t.nbytes for t in ts])
+    b = stager_cuda._Buffer(total, shared=False, pin=True)
+    pairs = [(_TorchLike(t), o, f"w{i}") for i, (t, o) in enumerate(zip(ts, offs))]
+    seen = []
+
+    def stage_flat(state_dict, flat, mappings, streams=None):
+        seen.append(streams)
+        stager_cuda.DefaultStager._copy_from_devices(pairs, b.base, streams)
+        return state_dict
+
+    with dcpx.DefaultStager(dcpx.StagingOptions(use_async_staging=True)) as stager:
+        stager._cuda = True
+        monkeypatch.setattr(stager, "_stage_flat", stage_flat)
+        for rnd in range(3):
+            for i, t in enumerate(ts):
+                t.launch_fill(0x20 + rnd * 4 + i)
+            stager.stage({"x": 1}).result()
+            raw = b.base.numpy().tobytes()
+            for i, (t, o) in enumerate(zip(ts, offs)):
+                assert raw[o:o + t.nbytes] == bytes([0x20 + rnd * 4 + i]) * t.nbytes
+    assert seen == [{0: dev.stream}] * 3
+    assert lib.fake_violations() == 0
+    b.release()
+    lib.cuStreamDestroy_v2.argtypes = [ctypes.c_void_p]
+    assert lib.cuStreamDestroy_v2(idle.value) == 0
+    for t in ts:
+        t.free()
+
+
+def test_a_load_buffer_that_cannot_be_pinned_warns_and_loads_through_pageable_memory(
+        reader_cuda, lib, tmp_path):
+    sd, path = _saved(tmp_path)
+    reader, reads, targets = _reads(reader_cuda, path, lib, sd)
+    registered = lib.fake_registered()
+    lib.fake_fail(b"cuMemHostRegister_v2", 1, OUT_OF_MEMORY)
+    with pytest.warns(RuntimeWarning, match="cannot page-lock"):
+        reader.read_tensors(reads)
+    assert lib.fake_registered() == registered
+    for key, v in sd.items():
+        assert targets[key].read() == _raw(v), key
+        targets[key].free()
+
+
+def test_loads_into_cuda_tensors_from_several_threads_at_once(reader_cuda, lib, tmp_path):
+    """Each thread's load is bit exact; they take turns on the one buffer."""
+    sd, path = _saved(tmp_path)
+    errors = []
+
+    def worker(n):
+        try:
+            for _ in range(3):
+                reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(n % 2,))
+                reader.read_tensors(reads)
+                for key, v in sd.items():
+                    assert targets[key].read() == _raw(v), key
+                    targets[key].free()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert lib.fake_violations() == 0
+    assert lib.fake_calls(b"cuMemHostRegister_v2") == 1

@@ -17,7 +17,12 @@
  *
  * Checks, for the tests: `violations` counts copies that ran while a kernel
  * writing their source was queued and not finished (the consumer did not
- * order itself after the producer), and the per-entry-point call counters.
+ * order itself after the producer); host-to-device copies that ran before
+ * a kernel using their destination, launched before them, had finished;
+ * and reading kernels (fake_launch_read) that ran before a host-to-device
+ * copy into what they read, launched before them, had finished (the load's
+ * consumer was not ordered after the copy); and the per-entry-point call
+ * counters.
  * Injection: fake_fail(name, nth, code) makes the nth next call of an entry
  * point return code; fake_fail_async(nth, code) makes the nth next copy
  * fail when it runs (a sticky error, reported by the synchronising calls);
@@ -63,7 +68,7 @@ typedef struct CUevent_st {
     int destroyed;
 } event_t;
 
-enum { OP_COPY, OP_RECORD, OP_WAIT, OP_FILL };
+enum { OP_COPY, OP_RECORD, OP_WAIT, OP_FILL, OP_HTOD, OP_READ };
 
 typedef struct op {
     int kind;
@@ -74,7 +79,8 @@ typedef struct op {
     uint64_t gen;
     int fill;
     int fail;      /* async error to raise when run */
-    int region;    /* OP_FILL: the allocation it writes */
+    int region;    /* OP_FILL, OP_HTOD, OP_READ: the allocation it uses */
+    long before;   /* OP_HTOD, OP_READ: the other kind launched before it */
     struct op *next;
 } op_t;
 
@@ -90,6 +96,12 @@ typedef struct {
     size_t n;
     int dev;
     int pending_fills;
+    /* Launched and finished host-to-device copies into it, and kernels
+     * (fills and reads) using it: an operation that snapshots, at launch,
+     * how many of the other kind were launched before it must not run
+     * before that many have finished (it was launched after them, so a
+     * correct program ordered it after them). */
+    long htod_launched, htod_done, use_launched, use_done;
 } alloc_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -203,12 +215,40 @@ static void *stream_main(void *arg)
             g_copies_run++;
             break;
         }
+        case OP_HTOD:
+            /* A write into device memory that a kernel queued before it
+             * (on any stream) still reads or writes: the copy was not
+             * ordered after that kernel. */
+            if (g_alloc[o->region].use_done < o->before)
+                g_violations++;
+            pthread_mutex_unlock(&mu);
+            sleep_us(g_copy_delay_us);
+            if (!o->fail)
+                memcpy(o->dst, o->src, o->n);
+            pthread_mutex_lock(&mu);
+            if (o->fail)
+                g_async_err = o->fail;
+            g_alloc[o->region].htod_done++;
+            g_copies_run++;
+            break;
+        case OP_READ:
+            /* A consumer kernel reading device memory that a copy queued
+             * before it has not finished writing. */
+            if (g_alloc[o->region].htod_done < o->before)
+                g_violations++;
+            pthread_mutex_unlock(&mu);
+            sleep_us(g_fill_delay_us);
+            memcpy(o->dst, o->src, o->n);
+            pthread_mutex_lock(&mu);
+            g_alloc[o->region].use_done++;
+            break;
         case OP_FILL:
             pthread_mutex_unlock(&mu);
             sleep_us(g_fill_delay_us);
             memset(o->dst, o->fill, o->n);
             pthread_mutex_lock(&mu);
             g_alloc[o->region].pending_fills--;
+            g_alloc[o->region].use_done++;
             break;
         case OP_RECORD:
             if (o->ev->completed < o->gen)
@@ -525,6 +565,35 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n,
     return OK;
 }
 
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n,
+                              stream_t *s)
+{
+    ENTER("cuMemcpyHtoDAsync_v2");
+    NEED_CTX();
+    if (s == NULL || src == NULL)
+        return E_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    int a = find_alloc((void *)(uintptr_t)dst, n);
+    if (a < 0 || g_alloc[a].dev != t_cur->dev || s->dev != t_cur->dev) {
+        pthread_mutex_unlock(&mu);
+        return E_INVALID_VALUE;
+    }
+    op_t *o = calloc(1, sizeof(*o));
+    o->kind = OP_HTOD;
+    o->dst = (char *)(uintptr_t)dst;
+    o->src = src;
+    o->n = n;
+    o->region = a;
+    if (g_async_fail_at > 0 && --g_async_fail_at == 0)
+        o->fail = g_async_fail_code;
+    o->before = g_alloc[a].use_launched;
+    g_alloc[a].htod_launched++;
+    g_copies_queued++;
+    push(s, o);
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags)
 {
     ENTER("cuMemHostRegister_v2");
@@ -719,6 +788,8 @@ void *fake_device_alloc(int dev, size_t n)
     g_alloc[g_nalloc].n = n;
     g_alloc[g_nalloc].dev = dev;
     g_alloc[g_nalloc].pending_fills = 0;
+    g_alloc[g_nalloc].htod_launched = g_alloc[g_nalloc].htod_done = 0;
+    g_alloc[g_nalloc].use_launched = g_alloc[g_nalloc].use_done = 0;
     g_nalloc++;
     pthread_mutex_unlock(&mu);
     return p;
@@ -754,6 +825,32 @@ int fake_launch_fill(stream_t *s, void *p, int byte, size_t n)
     o->fill = byte;
     o->region = a;
     g_alloc[a].pending_fills++;
+    g_alloc[a].use_launched++;
+    push(s, o);
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
+/* A consumer "kernel" on stream s reading [p, p + n) of device memory into
+ * the host buffer out, after the fill delay (a test reads `out` once the
+ * stream is synchronised: the bytes the kernel saw).  0, or -1 if p is not
+ * device memory. */
+int fake_launch_read(stream_t *s, void *p, size_t n, void *out)
+{
+    pthread_mutex_lock(&mu);
+    int a = find_alloc(p, n);
+    if (a < 0 || s == NULL || out == NULL) {
+        pthread_mutex_unlock(&mu);
+        return -1;
+    }
+    op_t *o = calloc(1, sizeof(*o));
+    o->kind = OP_READ;
+    o->dst = out;
+    o->src = p;
+    o->n = n;
+    o->region = a;
+    o->before = g_alloc[a].htod_launched;
+    g_alloc[a].use_launched++;
     push(s, o);
     pthread_mutex_unlock(&mu);
     return 0;
