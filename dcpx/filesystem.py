@@ -243,6 +243,20 @@ class LazyItem(NamedTuple):
     read: Callable[[], Any]
 
 
+def complete_metadata(writer: StorageWriter, metadata: Metadata,
+                      results: list[list[WriteResult]]) -> Metadata:
+    """What a storage writer's ``finish`` adds to torch's global metadata
+    before committing it: where each item went, the writer's storage meta and
+    DCP's version (FileSystemWriter and dcpx.fsspec.FsspecWriter alike)."""
+    storage_md = {}
+    for wr_list in results:
+        storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+    metadata.storage_data = storage_md
+    metadata.storage_meta = writer.storage_meta()
+    metadata.version = DCP_VERSION
+    return metadata
+
+
 class _Entry(NamedTuple):
     index: MetadataIndex
     payload: Any          # bytes, or (tensor, storage_type)
@@ -458,13 +472,7 @@ class FileSystemWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage_md = {}
-        for wr_list in results:
-            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
-        metadata.storage_data = storage_md
-        metadata.storage_meta = self.storage_meta()
-        metadata.version = DCP_VERSION
-        self.commit(metadata)
+        self.commit(complete_metadata(self, metadata, results))
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)

@@ -49,7 +49,12 @@ from torch.futures import Future
 
 from . import _metadata
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from .filesystem import DCP_VERSION, FileSystemReader, FileSystemWriter, url_protocol
+from .filesystem import (
+    FileSystemReader,
+    FileSystemWriter,
+    complete_metadata,
+    url_protocol,
+)
 
 __all__ = ["FsspecWriter", "FsspecReader"]
 
@@ -229,13 +234,7 @@ class FsspecWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        storage_md = {}
-        for wr_list in results:
-            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
-        metadata.storage_data = storage_md
-        metadata.storage_meta = self.storage_meta()
-        metadata.version = DCP_VERSION
-        self.commit(metadata)
+        self.commit(complete_metadata(self, metadata, results))
 
     def storage_meta(self) -> Optional[StorageMeta]:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
