@@ -215,6 +215,38 @@ dcpx_cuda_device *dcpx_cuda_device_get(PyObject *module, int id)
     return d;
 }
 
+CUresult dcpx_cuda_event_create(PyObject *module, int d, CUevent *ev,
+                                const char **call)
+{
+    CUcontext saved = NULL;
+    CUresult rc;
+    *call = "cuCtxSetCurrent";
+    dcpx_cu.cuCtxGetCurrent(&saved);
+    rc = dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
+    if (rc == CUDA_SUCCESS) {
+        *call = "cuEventCreate";
+        rc = dcpx_cu.cuEventCreate(ev, CU_EVENT_DISABLE_TIMING);
+        dcpx_cu.cuCtxSetCurrent(saved);
+    }
+    if (rc != CUDA_SUCCESS)
+        *ev = NULL;
+    return rc;
+}
+
+void dcpx_cuda_events_destroy(PyObject *module,
+                              CUevent ev[DCPX_CUDA_MAX_DEVICES])
+{
+    for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
+        if (ev[d] != NULL) {
+            CUcontext saved = NULL;
+            dcpx_cu.cuCtxGetCurrent(&saved);
+            dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
+            dcpx_cu.cuEventDestroy_v2(ev[d]);
+            dcpx_cu.cuCtxSetCurrent(saved);
+        }
+    }
+}
+
 int dcpx_cuda_registry_add(void *p, size_t n)
 {
     if (g_nreg == g_capreg) {

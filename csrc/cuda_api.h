@@ -61,6 +61,15 @@ dcpx_cuda_device *dcpx_cuda_device_get(PyObject *module, int device_id);
  * ("cuMemcpyDtoHAsync for tensor 'w'"), with the driver's name and
  * description of the code, and the code as the exception's `code`. */
 void dcpx_cuda_raise(PyObject *module, CUresult rc, const char *what);
+/* GIL held.  Create device d's event for the copies (context switched to
+ * d's and restored); on failure *call names the call that failed.  Shared
+ * by the stager and the loader, which word the error differently. */
+CUresult dcpx_cuda_event_create(PyObject *module, int d, CUevent *ev,
+                                const char **call);
+/* GIL held.  Destroy the events created by dcpx_cuda_event_create (NULL
+ * slots skipped), each in its device's context. */
+void dcpx_cuda_events_destroy(PyObject *module,
+                              CUevent ev[DCPX_CUDA_MAX_DEVICES]);
 /* Whether this process forked after CUDA was set up in its parent: the
  * child must not touch the parent's CUDA state. */
 int dcpx_cuda_forked(void);

@@ -285,20 +285,11 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
      * copies). */
     for (Py_ssize_t i = 0; i < nruns; i++) {
         int d = runs[i].dev;
-        CUcontext saved = NULL;
-        CUresult rc;
+        const char *call;
         if (ev[d] != NULL)
             continue;
-        const char *call = "cuCtxSetCurrent";
-        dcpx_cu.cuCtxGetCurrent(&saved);
-        rc = dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
-        if (rc == CUDA_SUCCESS) {
-            call = "cuEventCreate";
-            rc = dcpx_cu.cuEventCreate(&ev[d], CU_EVENT_DISABLE_TIMING);
-            dcpx_cu.cuCtxSetCurrent(saved);
-        }
+        CUresult rc = dcpx_cuda_event_create(module, d, &ev[d], &call);
         if (rc != CUDA_SUCCESS) {
-            ev[d] = NULL;
             dcpx_cuda_raise(module, rc, call);
             goto done;
         }
@@ -392,15 +383,7 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
     Py_INCREF(Py_None); /* Py_NewRef is 3.10+ */
     result = Py_None;
 done:
-    for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
-        if (ev[d] != NULL) {
-            CUcontext saved = NULL;
-            dcpx_cu.cuCtxGetCurrent(&saved);
-            dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
-            dcpx_cu.cuEventDestroy_v2(ev[d]);
-            dcpx_cu.cuCtxSetCurrent(saved);
-        }
-    }
+    dcpx_cuda_events_destroy(module, ev);
     for (Py_ssize_t i = 0; i < nviews; i++)
         dcpx_view_release(&views[i]);
     if (have_base)
