@@ -110,12 +110,7 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
     cstream *cs = NULL;
     CUevent ev[DCPX_CUDA_MAX_DEVICES];
     Py_ssize_t n = 0, nviews = 0, nruns = 0, ncs = 0;
-    struct {
-        CUresult rc;
-        const char *call;
-        Py_ssize_t index;
-        int dev;
-    } err = {CUDA_SUCCESS, NULL, -1, -1};
+    dcpx_cuda_err err = {CUDA_SUCCESS, NULL, -1, -1};
 
     memset(ev, 0, sizeof(ev));
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O:cuda_copy_from_host",
@@ -254,26 +249,8 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
         }
         /* Wait for everything queued, even after an error: the host
          * buffers must not be read once we return. */
-        for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
-            if (queued[d] == 0)
-                continue;
-            rc = dcpx_cu.cuCtxSetCurrent(devs[d]->ctx);
-            if (queued[d] == 2 && rc == CUDA_SUCCESS) {
-                rc = dcpx_cu.cuEventSynchronize(ev[d]);
-                if (rc != CUDA_SUCCESS) {
-                    if (err.rc == CUDA_SUCCESS) {
-                        err.rc = rc;
-                        err.call = "cuEventSynchronize (host-to-device "
-                                   "copies)";
-                        err.index = -1, err.dev = d;
-                    }
-                    dcpx_cu.cuStreamSynchronize(devs[d]->stream);
-                }
-            }
-            else {
-                dcpx_cu.cuStreamSynchronize(devs[d]->stream);
-            }
-        }
+        dcpx_cuda_drain(devs, ev, queued, "cuEventSynchronize (host-to-device "
+                        "copies)", &err);
         dcpx_cu.cuCtxSetCurrent(saved);
         Py_END_ALLOW_THREADS
     }
