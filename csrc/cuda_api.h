@@ -61,6 +61,35 @@ dcpx_cuda_device *dcpx_cuda_device_get(PyObject *module, int device_id);
  * ("cuMemcpyDtoHAsync for tensor 'w'"), with the driver's name and
  * description of the code, and the code as the exception's `code`. */
 void dcpx_cuda_raise(PyObject *module, CUresult rc, const char *what);
+/* GIL held.  Create device d's event for the copies (context switched to
+ * d's and restored); on failure *call names the call that failed.  Shared
+ * by the stager and the loader, which word the error differently. */
+CUresult dcpx_cuda_event_create(PyObject *module, int d, CUevent *ev,
+                                const char **call);
+/* GIL held.  Destroy the events created by dcpx_cuda_event_create (NULL
+ * slots skipped), each in its device's context. */
+void dcpx_cuda_events_destroy(PyObject *module,
+                              CUevent ev[DCPX_CUDA_MAX_DEVICES]);
+/* The first failure of a batch of copies: the call, the pair (or -1) and
+ * the device.  Shared by the stager and the loader. */
+typedef struct {
+    CUresult rc;
+    const char *call;
+    Py_ssize_t index;  /* pair that failed, or -1 */
+    int dev;
+} dcpx_cuda_err;
+/* Record a failure in e unless one is recorded already.  No GIL needed. */
+void dcpx_cuda_note(dcpx_cuda_err *e, CUresult rc, const char *call,
+                    Py_ssize_t index, int dev);
+/* No GIL needed.  Wait for every device's queued copies (queued[d]: 0 none,
+ * 1 copies without their event, 2 copies and their recorded event), even
+ * after an error, so the host buffer is untouched once the caller returns;
+ * a failed wait is noted as sync_call on the device.  Leaves the last
+ * device's context current: the caller restores its own. */
+void dcpx_cuda_drain(dcpx_cuda_device *devs[DCPX_CUDA_MAX_DEVICES],
+                     CUevent ev[DCPX_CUDA_MAX_DEVICES],
+                     const int queued[DCPX_CUDA_MAX_DEVICES],
+                     const char *sync_call, dcpx_cuda_err *err);
 /* Whether this process forked after CUDA was set up in its parent: the
  * child must not touch the parent's CUDA state. */
 int dcpx_cuda_forked(void);

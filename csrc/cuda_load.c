@@ -110,12 +110,7 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
     cstream *cs = NULL;
     CUevent ev[DCPX_CUDA_MAX_DEVICES];
     Py_ssize_t n = 0, nviews = 0, nruns = 0, ncs = 0;
-    struct {
-        CUresult rc;
-        const char *call;
-        Py_ssize_t index;
-        int dev;
-    } err = {CUDA_SUCCESS, NULL, -1, -1};
+    dcpx_cuda_err err = {CUDA_SUCCESS, NULL, -1, -1};
 
     memset(ev, 0, sizeof(ev));
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O:cuda_copy_from_host",
@@ -185,24 +180,16 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
     /* Per device in use: order after its consumers, and create its event. */
     for (Py_ssize_t i = 0; i < nruns; i++) {
         int d = runs[i].dev;
-        CUcontext saved = NULL;
         CUresult rc;
-        const char *call = "cuCtxSetCurrent";
+        const char *call;
         if (ev[d] != NULL)
             continue;
         for (Py_ssize_t j = 0; j < ncs; j++)
             if (cs[j].dev == d && after_consumer(module, d, cs[j].stream) < 0)
                 goto done;
-        dcpx_cu.cuCtxGetCurrent(&saved);
-        rc = dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
-        if (rc == CUDA_SUCCESS) {
-            call = "cuEventCreate";
-            rc = dcpx_cu.cuEventCreate(&ev[d], CU_EVENT_DISABLE_TIMING);
-            dcpx_cu.cuCtxSetCurrent(saved);
-        }
+        rc = dcpx_cuda_event_create(module, d, &ev[d], &call);
         if (rc != CUDA_SUCCESS) {
             char what[128];
-            ev[d] = NULL;
             snprintf(what, sizeof(what), "%s on device %d", call, d);
             dcpx_cuda_raise(module, rc, what);
             goto done;
@@ -262,26 +249,8 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
         }
         /* Wait for everything queued, even after an error: the host
          * buffers must not be read once we return. */
-        for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
-            if (queued[d] == 0)
-                continue;
-            rc = dcpx_cu.cuCtxSetCurrent(devs[d]->ctx);
-            if (queued[d] == 2 && rc == CUDA_SUCCESS) {
-                rc = dcpx_cu.cuEventSynchronize(ev[d]);
-                if (rc != CUDA_SUCCESS) {
-                    if (err.rc == CUDA_SUCCESS) {
-                        err.rc = rc;
-                        err.call = "cuEventSynchronize (host-to-device "
-                                   "copies)";
-                        err.index = -1, err.dev = d;
-                    }
-                    dcpx_cu.cuStreamSynchronize(devs[d]->stream);
-                }
-            }
-            else {
-                dcpx_cu.cuStreamSynchronize(devs[d]->stream);
-            }
-        }
+        dcpx_cuda_drain(devs, ev, queued, "cuEventSynchronize (host-to-device "
+                        "copies)", &err);
         dcpx_cu.cuCtxSetCurrent(saved);
         Py_END_ALLOW_THREADS
     }
@@ -310,15 +279,7 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
-        if (ev[d] != NULL) {
-            CUcontext saved = NULL;
-            dcpx_cu.cuCtxGetCurrent(&saved);
-            dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
-            dcpx_cu.cuEventDestroy_v2(ev[d]);
-            dcpx_cu.cuCtxSetCurrent(saved);
-        }
-    }
+    dcpx_cuda_events_destroy(module, ev);
     for (Py_ssize_t i = 0; i < nviews; i++)
         dcpx_view_release(&views[i]);
     PyMem_Free(views);

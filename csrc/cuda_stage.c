@@ -41,24 +41,6 @@ typedef struct {
     Py_ssize_t index;  /* the first pair of the run */
 } crun;
 
-typedef struct {
-    CUresult rc;
-    const char *call;
-    Py_ssize_t index;  /* pair that failed, or -1 */
-    int dev;
-} cerr;
-
-static void note(cerr *e, CUresult rc, const char *call, Py_ssize_t index,
-                 int dev)
-{
-    if (e->rc == CUDA_SUCCESS) {
-        e->rc = rc;
-        e->call = call;
-        e->index = index;
-        e->dev = dev;
-    }
-}
-
 /* src as a DLPack capsule, exported with the stream handshake when src is
  * a tensor object on a CUDA device. */
 static PyObject *export_cuda(PyObject *module, PyObject *src)
@@ -172,7 +154,7 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
     CUevent ev[DCPX_CUDA_MAX_DEVICES];
     int have_base = 0;
     Py_ssize_t n = 0, nviews = 0, nruns = 0;
-    cerr err = {CUDA_SUCCESS, NULL, -1, -1};
+    dcpx_cuda_err err = {CUDA_SUCCESS, NULL, -1, -1};
 
     memset(ev, 0, sizeof(ev));
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:cuda_copy_into",
@@ -285,20 +267,11 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
      * copies). */
     for (Py_ssize_t i = 0; i < nruns; i++) {
         int d = runs[i].dev;
-        CUcontext saved = NULL;
-        CUresult rc;
+        const char *call;
         if (ev[d] != NULL)
             continue;
-        const char *call = "cuCtxSetCurrent";
-        dcpx_cu.cuCtxGetCurrent(&saved);
-        rc = dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
-        if (rc == CUDA_SUCCESS) {
-            call = "cuEventCreate";
-            rc = dcpx_cu.cuEventCreate(&ev[d], CU_EVENT_DISABLE_TIMING);
-            dcpx_cu.cuCtxSetCurrent(saved);
-        }
+        CUresult rc = dcpx_cuda_event_create(module, d, &ev[d], &call);
         if (rc != CUDA_SUCCESS) {
-            ev[d] = NULL;
             dcpx_cuda_raise(module, rc, call);
             goto done;
         }
@@ -320,14 +293,16 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
             if (i == 0 || runs[i - 1].dev != r->dev) {
                 rc = dcpx_cu.cuCtxSetCurrent(d->ctx);
                 if (rc != CUDA_SUCCESS) {
-                    note(&err, rc, "cuCtxSetCurrent", r->index, r->dev);
+                    dcpx_cuda_note(&err, rc, "cuCtxSetCurrent", r->index,
+                                   r->dev);
                     break;
                 }
             }
             rc = dcpx_cu.cuMemcpyDtoHAsync_v2(r->dst, r->src, r->n,
                                               d->stream);
             if (rc != CUDA_SUCCESS) {
-                note(&err, rc, "cuMemcpyDtoHAsync", r->index, r->dev);
+                dcpx_cuda_note(&err, rc, "cuMemcpyDtoHAsync", r->index,
+                                   r->dev);
                 break;
             }
             queued[r->dev] = 1;
@@ -335,7 +310,8 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
                 /* The device's last copy: its event. */
                 rc = dcpx_cu.cuEventRecord(ev[r->dev], d->stream);
                 if (rc != CUDA_SUCCESS) {
-                    note(&err, rc, "cuEventRecord", r->index, r->dev);
+                    dcpx_cuda_note(&err, rc, "cuEventRecord", r->index,
+                                   r->dev);
                     break;
                 }
                 queued[r->dev] = 2;
@@ -343,25 +319,8 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
         }
         /* Wait for everything queued, even after an error: the buffer must
          * not be written once we return. */
-        for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
-            if (queued[d] == 0)
-                continue;
-            rc = dcpx_cu.cuCtxSetCurrent(devs[d]->ctx);
-            if (queued[d] == 2 && rc == CUDA_SUCCESS) {
-                rc = dcpx_cu.cuEventSynchronize(ev[d]);
-                if (rc != CUDA_SUCCESS) {
-                    note(&err, rc, "cuEventSynchronize (device-to-host "
-                         "copies)", -1, d);
-                    /* The wait failed, not necessarily the copies: make
-                     * sure none is still running before we return. */
-                    dcpx_cu.cuStreamSynchronize(devs[d]->stream);
-                }
-            }
-            else {
-                /* Queued copies without their event: drain the stream. */
-                dcpx_cu.cuStreamSynchronize(devs[d]->stream);
-            }
-        }
+        dcpx_cuda_drain(devs, ev, queued, "cuEventSynchronize (device-to-host "
+                        "copies)", &err);
         dcpx_cu.cuCtxSetCurrent(saved);
         Py_END_ALLOW_THREADS
     }
@@ -392,15 +351,7 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
     Py_INCREF(Py_None); /* Py_NewRef is 3.10+ */
     result = Py_None;
 done:
-    for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
-        if (ev[d] != NULL) {
-            CUcontext saved = NULL;
-            dcpx_cu.cuCtxGetCurrent(&saved);
-            dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
-            dcpx_cu.cuEventDestroy_v2(ev[d]);
-            dcpx_cu.cuCtxSetCurrent(saved);
-        }
-    }
+    dcpx_cuda_events_destroy(module, ev);
     for (Py_ssize_t i = 0; i < nviews; i++)
         dcpx_view_release(&views[i]);
     if (have_base)
