@@ -88,10 +88,17 @@ def output_format(dst: str, to: Optional[str], sharded: bool) -> str:
 
 # -- bytes of a tensor, without a copy ------------------------------------
 
-def _write_tensor(f, t: torch.Tensor) -> None:
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous host memory holding its own values (a copy only when
+    it is not already: strided, or a lazily conjugated / negated view)."""
     t = t.detach().cpu()
     if not t.is_contiguous() or t.is_conj() or t.is_neg():
         t = t.resolve_conj().resolve_neg().contiguous()
+    return t
+
+
+def _write_tensor(f, t: torch.Tensor) -> None:
+    t = _dense(t)
     n = t.numel() * t.element_size()
     if n:
         f.write((ctypes.c_char * n).from_address(t.data_ptr()))
@@ -336,15 +343,11 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
                 w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
                 for i, ref in enumerate(order):
                     e = entries[ref.key]
-                    t = _check(e.key, src.read(e.key), e).detach().cpu()
-                    if not t.is_contiguous() or t.is_conj() or t.is_neg():
-                        t = t.resolve_conj().resolve_neg().contiguous()
-                    storage = t.untyped_storage()
-                    if t.storage_offset() or storage.nbytes() != e.nbytes:
-                        storage = t.clone().untyped_storage()   # a view: this tensor's bytes only
-                    w.write_record(f"data/{i}", storage, e.nbytes)
+                    t = _dense(_check(e.key, src.read(e.key), e))
+                    # This tensor's bytes only, from its own memory (a view
+                    # of a larger storage needs no copy).
+                    w.write_record(f"data/{i}", t.data_ptr(), e.nbytes)
                     src.release(e.key, t)
-                    del storage
                     del t
                     bar.update(e.nbytes)
                 ended = True
