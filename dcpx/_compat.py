@@ -41,7 +41,7 @@ def torch_public_names() -> list[str]:
                   if not isinstance(getattr(_tdcp, n, None), types.ModuleType))
 
 
-def _dcpx_semantics(state_dict: dict, process_group: Any, coordinator_rank: int,
+def _dcpx_semantics(state_dict: dict, coordinator_rank: int,
                     no_dist: bool) -> bool:
     """dcpx's save / load do exactly what torch's deprecated form does:
     rank 0 coordinates, no top-level Stateful (torch's deprecated forms pickle
@@ -67,7 +67,7 @@ def save_state_dict(
     warnings.warn("`save_state_dict` is deprecated and will be removed in future "
                   "versions.Please use `save` instead.", FutureWarning, stacklevel=2)
     storage_writer.reset()
-    if _dcpx_semantics(state_dict, process_group, coordinator_rank, no_dist):
+    if _dcpx_semantics(state_dict, coordinator_rank, no_dist):
         return save(state_dict, storage_writer=storage_writer, planner=planner,
                     process_group=process_group, no_dist=no_dist)
     return _torch_save_state_dict(state_dict, storage_writer, process_group,
@@ -87,7 +87,7 @@ def load_state_dict(
     warnings.warn("`load_state_dict` is deprecated and will be removed in future "
                   "versions. Please use `load` instead.", FutureWarning, stacklevel=2)
     storage_reader.reset()
-    if _dcpx_semantics(state_dict, process_group, coordinator_rank, no_dist):
+    if _dcpx_semantics(state_dict, coordinator_rank, no_dist):
         load(state_dict, storage_reader=storage_reader, planner=planner,
              process_group=process_group, no_dist=no_dist)
         return None

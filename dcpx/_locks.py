@@ -351,7 +351,8 @@ def probe(path: Path) -> tuple[bool, Optional[FileLock]]:
 
 #: what :func:`save_lock_state` finds in a directory
 LIVE, DEAD, NO_LOCKS, UNKNOWN = "live", "dead", "no-locks", "unknown"
-_SAVE_LOCK_RE = re.compile(r"^\.dcpx\.([0-9a-f]{16})\.lock$")
+#: a save's lock file name (save_lock_name); the commit cleanup matches it too
+SAVE_LOCK_RE = re.compile(r"^\.dcpx\.([0-9a-f]{16})\.lock$")
 
 
 def save_lock_state(directory: Path) -> str:
@@ -375,7 +376,7 @@ def save_lock_state(directory: Path) -> str:
         return NO_LOCKS
     state = NO_LOCKS
     for name in names:
-        if _SAVE_LOCK_RE.match(name) is None:
+        if SAVE_LOCK_RE.match(name) is None:
             continue
         dead, lk = _probe(Path(directory) / name)
         if lk is not None:

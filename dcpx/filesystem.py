@@ -42,11 +42,9 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     StorageMeta,
-    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
@@ -76,7 +74,6 @@ METADATA_FN = _metadata.METADATA_FN
 _DATA_FILE = re.compile(r"^__\d+_.*\.distcp$")
 _TMP_METADATA = re.compile(r"^(__\d+)?\.metadata\.tmp")
 _TAGGED_DATA_FILE = re.compile(r"^__\d+_([0-9a-f]{16})_\d+\.distcp$")
-_SAVE_LOCK = re.compile(r"^\.dcpx\.([0-9a-f]{16})\.lock$")
 
 
 def _fsync_dir(path: Union[str, Path]) -> None:
@@ -618,11 +615,10 @@ class FileSystemWriter(StorageWriter):
             if isinstance(value, torch.Tensor):
                 nbytes = value.numel() * value.element_size()
                 payload: Any = tensor_payload(value, fqn)
-                zero = torch.Size([0] * value.dim())
-                sdm[fqn] = TensorStorageMetadata(
-                    properties=TensorProperties.create_from_tensor(value), size=value.shape,
-                    chunks=[ChunkStorageMetadata(offsets=zero, sizes=value.shape)])
-                index = MetadataIndex(fqn, zero)
+                # The save paths' own metadata (shared properties and
+                # offsets: a compact .metadata for many tensors).
+                md = sdm[fqn] = _metadata.tensor_metadata(value, value.is_pinned())
+                index = MetadataIndex(fqn, md.chunks[0].offsets, 0)
             else:
                 payload = value_payload(value, fqn)
                 nbytes = len(payload)
@@ -737,7 +733,7 @@ class FileSystemWriter(StorageWriter):
                     except FileNotFoundError:
                         pass
             for name in names:  # locks of saves that died before writing
-                m = _SAVE_LOCK.match(name)
+                m = _locks.SAVE_LOCK_RE.match(name)
                 if m and m.group(1) != mine:
                     is_dead(m.group(1))
         finally:
