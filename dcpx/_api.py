@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
 )
+
 # torch's own save / load, captured once from their defining modules: a
 # script may replace torch.distributed.checkpoint.save / load (and the
 # state_dict_saver / state_dict_loader attributes) with dcpx's, and the
@@ -35,18 +36,13 @@ from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _dist, _locks, _metadata
+from ._files import DCP_VERSION, LOCAL_PROTOCOLS, url_protocol
 from ._gc import paused_gc
+from ._pending import _Entry, tensor_payload, value_payload
+from ._reader import FileSystemReader
+from ._writer import FileSystemWriter
 from .errors import checkpoint_errors
-from .filesystem import (
-    DCP_VERSION,
-    LOCAL_PROTOCOLS,
-    FileSystemReader,
-    FileSystemWriter,
-    _Entry,
-    tensor_payload,
-    url_protocol,
-    value_payload,
-)
+
 
 __all__ = ["save", "load"]
 

@@ -37,19 +37,21 @@ import torch.distributed as dist
 from . import _dist, _locks
 from ._api import (
     _dist_in_use,
-    dist_path_eligible,
-    dist_path_state,
     _stateful_to_state_dict,
     _writer_for,
+    dist_path_eligible,
+    dist_path_state,
     fast_path_eligible,
     fast_path_state,
     save,
     save_local,
 )
-from ._dtypes import dlpack_export, dlpack_view, storage_type_name
-from .errors import checkpoint_future
-from .filesystem import FileSystemWriter
-from .staging import DefaultStager, _pool as _staging_pool
+from ._pending import staged_payload
+from ._writer import FileSystemWriter
+from .errors import checkpoint_future, staging_error
+from .staging import DefaultStager
+from .staging import _pool as _staging_pool
+
 
 try:  # the classes users may isinstance-check against
     from torch.distributed.checkpoint.state_dict_saver import (
@@ -94,31 +96,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _staged_payload(t: torch.Tensor, key: str) -> tuple:
-    """Staged tensors are contiguous host tensors already: no checks, no
-    copies."""
-    return (dlpack_export(dlpack_view(t.detach())), storage_type_name(t.dtype))
-
-
-def _staging_failed(e: BaseException, writer) -> BaseException:
-    """A stager's OSError (its buffer allocation, memfd or mapping failed),
-    naming the checkpoint it was staging for: a stager does not know the
-    path.  Same type and errno, the original as its ``__cause__``.  Other
-    errors pass unchanged: they are about the state dict (a tensor that
-    cannot be saved) and name its key, as ``save``'s do."""
-    where = getattr(writer, "path", None) or getattr(writer, "checkpoint_id", None)
-    if not isinstance(e, OSError) or e.errno is None or where is None or str(where) in str(e):
-        return e
-    try:
-        new = type(e)(e.errno, f"dcpx: staging for the checkpoint at {where} failed: "
-                               f"{e.strerror or e}",
-                      *(() if e.filename is None else (e.filename,)))
-    except Exception:
-        return e
-    new.__cause__ = e
-    return new
-
-
 def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
             use_collectives):
     """Write and commit one staged state dict (runs on the upload thread).
@@ -131,7 +108,7 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
         try:
             staged = staged.result()
         except Exception as e:
-            err = _staging_failed(e, writer)
+            err = staging_error(e, writer)
             if dist_path_eligible(writer, planner, no_dist):
                 _dist.abort_save(process_group, err)  # the other ranks raise too
             raise err
@@ -143,7 +120,7 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
             sharded = dist_path_state(staged, writer, planner, no_dist)
         if sharded is not None:
             return _dist.save(writer, *sharded, group=process_group,
-                              use_collectives=use_collectives, prepare=_staged_payload)
+                              use_collectives=use_collectives, prepare=staged_payload)
     fast = None
     if isinstance(stager, DefaultStager) and fast_path_eligible(writer, planner, no_dist):
         fast = stager.flat_of(staged)  # the stager's flat view: no re-flattening
@@ -153,7 +130,7 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
         return save(staged, storage_writer=writer, planner=planner,
                     process_group=process_group, no_dist=no_dist,
                     use_collectives=use_collectives)
-    return save_local(writer, *fast, prepare=_staged_payload)
+    return save_local(writer, *fast, prepare=staged_payload)
 
 
 def async_save(
@@ -204,7 +181,7 @@ def async_save(
         try:
             staged = async_stager.stage(flat_sd)
         except Exception as e:
-            raise _staging_failed(e, writer)
+            raise staging_error(e, writer)
 
         # Saves into one directory run one at a time, in call order: the upload
         # gets ``staged`` only once earlier saves into it have finished.
@@ -239,7 +216,7 @@ def async_save(
             if err is None:
                 staging_done.set_result(None)
             else:
-                staging_done.set_exception(_staging_failed(err, writer))
+                staging_done.set_exception(staging_error(err, writer))
 
         staged.add_done_callback(_relay)
         return AsyncSaveResponse(staging_completion=staging_done, upload_completion=upload)

@@ -53,18 +53,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from . import _metadata
+from ._files import DCP_VERSION
 from ._gc import paused_gc
+from ._pending import _Entry, tensor_payload, value_payload
+from ._reader import FileSystemReader, _TensorRead
+from ._writer import FileSystemWriter, _path_key
 from .errors import CheckpointError, CorruptCheckpointError, checkpoint_errors
-from .filesystem import (
-    DCP_VERSION,
-    FileSystemReader,
-    FileSystemWriter,
-    _Entry,
-    _TensorRead,
-    _path_key,
-    tensor_payload,
-    value_payload,
-)
+
 
 try:
     from torch.distributed.tensor import DTensor

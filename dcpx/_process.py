@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.storage import StorageWriter
 
+
 _lock = threading.Lock()
 _worker: Optional["_Worker"] = None
 
@@ -69,13 +70,13 @@ class _Worker:
             raise
 
     def _run(self, staged, stager, writer) -> Any:
-        from ._async import _staging_failed
+        from .errors import staging_error
         from .staging import DefaultStager
         if isinstance(staged, Future):
             try:
                 staged = staged.result()
             except Exception as e:
-                raise _staging_failed(e, writer)
+                raise staging_error(e, writer)
         layout = stager.shared_layout_of(staged) if isinstance(stager, DefaultStager) else None
         config = _writer_config(writer)
         # What the directory holds now: should this process die, the
@@ -104,7 +105,7 @@ class _Worker:
         checkpoint process writes this rank's data files."""
         from . import _dist
         from ._api import dist_path_state
-        from ._async import _staging_failed
+        from .errors import staging_error
         from .staging import DefaultStager
         if isinstance(group, _dist.AsyncTicket):
             with group.turn() as pg:
@@ -114,7 +115,7 @@ class _Worker:
                 staged = staged.result()
             except Exception as e:
                 # the other ranks raise too
-                _dist.abort_save(group, _staging_failed(e, writer))
+                _dist.abort_save(group, staging_error(e, writer))
         layout = stager.shared_layout_of(staged) if isinstance(stager, DefaultStager) else None
         if layout is not None:
             flat, mappings = layout.flat, layout.mappings
@@ -232,7 +233,7 @@ class _Worker:
 def submit_process_upload(staged, stager, writer, planner, process_group, no_dist,
                           use_collectives) -> Future:
     from ._api import _dist_in_use, dist_path_eligible, fast_path_eligible
-    from .filesystem import FileSystemWriter
+    from ._writer import FileSystemWriter
     distributed = _dist_in_use(no_dist)
     eligible = (dist_path_eligible(writer, planner, no_dist) if distributed
                 else fast_path_eligible(writer, planner, no_dist))
@@ -373,7 +374,7 @@ def _orphan_check(parent: int, committed: Optional[tuple], writer) -> Optional[s
 
 def _writer_from(config: dict, parent: int):
     """The FileSystemWriter a request describes."""
-    from .filesystem import FileSystemWriter
+    from ._writer import FileSystemWriter
     config = dict(config)
     committed = config.pop("committed", False)
     writer = FileSystemWriter(**config)
@@ -440,29 +441,28 @@ def _view_of(base: torch.Tensor, offset: int, dtype: str, shape: tuple) -> torch
 
 def _save_views(writer, base: torch.Tensor, tensors, values, mappings):
     from ._api import save_local
-    from ._async import _staged_payload
+    from ._pending import staged_payload
     flat = dict(values)
     for key, offset, dtype, shape, requires_grad in tensors:
         t = _view_of(base, offset, dtype, shape)
         if requires_grad:
             t.requires_grad_(True)
         flat[key] = t
-    return save_local(writer, flat, mappings, prepare=_staged_payload)
+    return save_local(writer, flat, mappings, prepare=staged_payload)
 
 
 def _write_entries(writer, base: Optional[torch.Tensor], prefix: str, tensors, others):
     """Write a rank's entries: tensors as views of the shared buffer, the
     rest (bytes, tensors sent by value) as they came."""
-    from ._async import _staged_payload
     from ._dist import write_files
-    from .filesystem import _Entry
+    from ._pending import _Entry, staged_payload
     entries = []
     for index, offset, dtype, shape in tensors:
         t = _view_of(base, offset, dtype, shape)
-        entries.append(_Entry(index, _staged_payload(t, ""), t.numel() * t.element_size()))
+        entries.append(_Entry(index, staged_payload(t, ""), t.numel() * t.element_size()))
     for index, payload in others:
         if isinstance(payload, torch.Tensor):
-            entries.append(_Entry(index, _staged_payload(payload, ""),
+            entries.append(_Entry(index, staged_payload(payload, ""),
                                   payload.numel() * payload.element_size()))
         else:
             entries.append(_Entry(index, payload, len(payload)))
@@ -476,6 +476,7 @@ def _torch_request(msg: tuple, buffers: dict) -> Any:
         _, writer, plan, planner = msg
         return writer.write_data(plan, planner).wait()
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
     from ._api import save
     _, writer, planner, use_collectives, staged = msg
     if isinstance(staged, tuple) and staged and staged[0] == "shared":

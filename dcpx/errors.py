@@ -29,6 +29,7 @@ from typing import Any, Iterator, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+
 __all__ = [
     "CheckpointError",
     "IncompleteCheckpointError",
@@ -187,3 +188,22 @@ def checkpoint_future(fut: Future) -> Future:
 
     fut.add_done_callback(relay)
     return out
+
+
+def staging_error(e: BaseException, writer) -> BaseException:
+    """A stager's OSError (its buffer allocation, memfd or mapping failed),
+    naming the checkpoint it was staging for: a stager does not know the
+    path.  Same type and errno, the original as its ``__cause__``.  Other
+    errors pass unchanged: they are about the state dict (a tensor that
+    cannot be saved) and name its key, as ``save``'s do."""
+    where = getattr(writer, "path", None) or getattr(writer, "checkpoint_id", None)
+    if not isinstance(e, OSError) or e.errno is None or where is None or str(where) in str(e):
+        return e
+    try:
+        new = type(e)(e.errno, f"dcpx: staging for the checkpoint at {where} failed: "
+                               f"{e.strerror or e}",
+                      *(() if e.filename is None else (e.filename,)))
+    except Exception:
+        return e
+    new.__cause__ = e
+    return new

@@ -34,10 +34,10 @@ import os
 import threading
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from collections import OrderedDict
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -46,7 +46,8 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from . import _C
 from ._dtypes import _TO_DLPACK, dlpack_export, dlpack_view
 from ._gc import paused_gc
-from .filesystem import check_saveable
+from ._pending import check_saveable
+
 
 try:
     from torch.distributed.tensor import DTensor

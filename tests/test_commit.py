@@ -131,7 +131,7 @@ def test_crash_before_commit_keeps_the_old_checkpoint(ckpt, gen, monkeypatch, wh
         if where == "commit":
             m.setattr(dcpx.filesystem.FileSystemWriter, "commit", fail)
         else:
-            m.setattr(dcpx.filesystem.os, "replace", fail)
+            m.setattr(os, "replace", fail)
         with pytest.raises(OSError, match="simulated crash"):
             dcpx.save(state_v(2, gen), checkpoint_id=ckpt)
 
@@ -265,7 +265,7 @@ def test_write_error_during_resave(ckpt, gen, monkeypatch):
     before = sorted(os.listdir(ckpt))
 
     fixed = uuid.UUID("12345678-0000-4000-8000-000000000000")
-    monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: fixed)
+    monkeypatch.setattr(uuid, "uuid4", lambda: fixed)
     old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, hard))  # "big" is 1.2 MB
     try:

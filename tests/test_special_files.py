@@ -193,7 +193,7 @@ def test_c_reader_refuses_a_file_swapped_after_validation(saved, kind):
     for index, info in md.storage_data.items():
         if index.offset is not None:
             chunk, dtype = reader._chunk_of(index)
-            reads.append(dcpx.filesystem._TensorRead(
+            reads.append(dcpx._reader._TensorRead(
                 index.fqn, info, chunk, dtype, torch.empty(chunk, dtype=dtype), None))
     expect = {"symlink": "symbolic link", "fifo": "FIFO", "directory": "directory"}[kind]
     with pytest.raises(dcpx.CorruptCheckpointError, match=expect) as ei:
@@ -254,7 +254,7 @@ def test_save_replaces_a_link_or_fifo_where_it_writes_a_data_file(tmp_path, kind
     names = [ckpt / f"__0_{_TAG}_{i}.distcp" for i in range(2)]
     targets = [_plant(n, kind, outside) for n in names]
     sd = state(4)
-    monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: fixed)
+    monkeypatch.setattr(uuid, "uuid4", lambda: fixed)
     writer = dcpx.FileSystemWriter(ckpt, thread_count=2)
     no_hang(lambda: dcpx.save(sd, storage_writer=writer), *names)
     monkeypatch.undo()
@@ -273,7 +273,7 @@ def test_async_save_does_not_write_through_a_link(tmp_path, monkeypatch):
     outside.mkdir()
     target = _plant(ckpt / f"__0_{_TAG}_0.distcp", "symlink", outside)
     sd = state(5)
-    monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: _FIXED)
+    monkeypatch.setattr(uuid, "uuid4", lambda: _FIXED)
     dcpx.async_save(sd, checkpoint_id=ckpt).result(timeout=HANG)
     monkeypatch.undo()
     assert target.read_bytes() == b"not yours to overwrite"
@@ -285,7 +285,7 @@ def test_save_with_a_directory_where_a_data_file_goes_names_it(tmp_path, monkeyp
     ckpt.mkdir()
     doomed = ckpt / f"__0_{_TAG}_0.distcp"
     os.mkdir(doomed)
-    monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: _FIXED)
+    monkeypatch.setattr(uuid, "uuid4", lambda: _FIXED)
     with pytest.raises(IsADirectoryError) as ei:
         dcpx.save(state(6), checkpoint_id=ckpt)
     monkeypatch.undo()
@@ -321,7 +321,7 @@ def test_temporary_metadata_is_never_written_through_a_link_or_fifo(tmp_path, ki
     outside.mkdir()
     ckpt.mkdir()
     fixed = uuid.UUID("12345678-0000-4000-8000-000000000000")
-    monkeypatch.setattr(dcpx.filesystem.uuid, "uuid4", lambda: fixed)
+    monkeypatch.setattr(uuid, "uuid4", lambda: fixed)
     tmp = ckpt / f".metadata.tmp.{fixed}"
     target = _plant(tmp, kind, outside)
     with pytest.raises(FileExistsError):

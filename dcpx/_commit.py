@@ -1,0 +1,139 @@
+"""The commit: how a save becomes the checkpoint, atomically.
+
+1. Data files are written under names no other save uses:
+   ``__{rank}_{tag}_{i}.distcp``, ``tag`` new per save, its lock file
+   ``.dcpx.{tag}.lock`` held by the committing process meanwhile.
+2. Each data file is fsynced (``sync_files``), then the directory.
+3. Under the directory's commit lock (``.dcpx.lock``), ``.metadata`` is
+   written to a temporary name, fsynced, and renamed over the old one
+   (atomic), then the directory is fsynced.
+4. Still under it, data files that the new metadata does not reference are
+   deleted, except those of saves still live (their lock is held).
+
+A crash before step 3 leaves the previous checkpoint (or none) intact; after
+it, the new one is complete.  There is never a ``.metadata`` that points at
+rewritten or partial data.  docs/format.md has the full argument.
+
+The functions take the FileSystemWriter whose save they commit (``self``);
+the writer's ``commit`` / ``_discard_own`` / ``_remove_unreferenced``
+methods call them (subclasses and tests override those methods)."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Optional
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from . import _locks
+from ._files import _DATA_FILE, _TAGGED_DATA_FILE, _TMP_METADATA, _fsync_dir
+from .errors import CheckpointError
+
+
+if TYPE_CHECKING:
+    from ._writer import FileSystemWriter
+
+
+def commit(self: "FileSystemWriter", metadata: Metadata, data: Optional[bytes] = None) -> None:
+    """Make the checkpoint visible atomically; see the module docstring.
+    ``data`` is ``encode_metadata(metadata)`` if the caller has it."""
+    final = self._metadata_path()
+    tmp = final.with_name(f"{final.name}.tmp.{self.save_id}")
+    if data is None:
+        data = self.encode_metadata(metadata)
+    try:
+        if self.sync_files:
+            _fsync_dir(self.path)  # the data files' directory entries
+        with _locks.dir_lock(self.path):  # commits never interleave
+            refused = self._commit_check(self) if self._commit_check else None
+            if refused:
+                self._discard_own()
+                raise CheckpointError(refused)
+            try:
+                # O_EXCL: a fresh file, never through a link or into a FIFO
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                             0o644)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    if self.sync_files:
+                        os.fsync(fd)
+                    ino = os.fstat(fd).st_ino
+                finally:
+                    os.close(fd)
+                os.replace(tmp, final)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                raise
+            if self.sync_files:
+                _fsync_dir(self.path)
+            self._remove_unreferenced(metadata, ino)
+            # Still under the commit lock: the next commit's cleanup
+            # finds this save finished and may remove its files once
+            # they are superseded.
+            self._release_tag()
+    finally:
+        self._release_tag()
+
+def discard_own(self: "FileSystemWriter") -> None:
+    """Remove every data file of this save (all ranks'): it will not be
+    committed."""
+    if self._save_lock is None:
+        return
+    for name in os.listdir(self.path):
+        m = _TAGGED_DATA_FILE.match(name)
+        if m and m.group(1) == self._save_lock.tag:
+            try:
+                os.unlink(self.path / name)
+            except FileNotFoundError:
+                pass
+
+def remove_unreferenced(self: "FileSystemWriter", metadata: Metadata,
+                        ino: Optional[int] = None) -> None:
+    """Delete data files the new metadata does not reference, except
+    those of saves that may still be live (docs/reliability.md,
+    "Concurrent saves into one directory"), and stale temporary
+    metadata.  Runs under the commit lock."""
+    if ino is not None:
+        try:
+            if os.stat(self._metadata_path()).st_ino != ino:
+                return  # another commit won (only without working locks)
+        except FileNotFoundError:
+            return
+    keep = {si.relative_path for si in metadata.storage_data.values()}
+    own = f"__{self.rank}_" if (self.rank is not None and not self.use_collectives) else "__"
+    mine = self._save_lock.tag if self._save_lock is not None else None
+    dead: dict[str, bool] = {}
+    held: list = []
+
+    def is_dead(tag: str) -> bool:
+        if tag not in dead:
+            dead[tag], lk = _locks.probe(self.path / _locks.save_lock_name(tag))
+            if lk is not None:
+                held.append(lk)
+        return dead[tag]
+
+    try:
+        names = os.listdir(self.path)
+        for name in names:
+            stale_data = _DATA_FILE.match(name) and name.startswith(own) and name not in keep
+            if stale_data:
+                m = _TAGGED_DATA_FILE.match(name)
+                if m and m.group(1) != mine and not is_dead(m.group(1)):
+                    continue  # a live save's file
+            if stale_data or (_TMP_METADATA.match(name) and self.save_id not in name
+                              and own == "__"):
+                try:
+                    os.unlink(self.path / name)
+                except FileNotFoundError:
+                    pass
+        for name in names:  # locks of saves that died before writing
+            m = _locks.SAVE_LOCK_RE.match(name)
+            if m and m.group(1) != mine:
+                is_dead(m.group(1))
+    finally:
+        for lk in held:  # removes the dead saves' lock files
+            lk.release()

@@ -1,0 +1,132 @@
+"""Where a checkpoint's files are and how they are opened: the file names
+of the format, local paths and URLs, and opening checkpoint files as
+regular files only (no link followed, never blocking on a FIFO)."""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Optional, Union
+
+from . import _metadata
+from .errors import CorruptCheckpointError
+
+
+DCP_VERSION = "1.0.0"
+#: the file whose presence commits a checkpoint (torch's ``.metadata``)
+METADATA_FN = _metadata.METADATA_FN
+_DATA_FILE = re.compile(r"^__\d+_.*\.distcp$")
+_TMP_METADATA = re.compile(r"^(__\d+)?\.metadata\.tmp")
+_TAGGED_DATA_FILE = re.compile(r"^__\d+_([0-9a-f]{16})_\d+\.distcp$")
+
+
+def _fsync_dir(path: Union[str, Path]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory",
+          stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device"}
+
+
+def special_file_error(path: Union[str, Path], mode: int,
+                       what: str = "") -> CorruptCheckpointError:
+    """The error for a checkpoint file that is not a regular file (a FIFO
+    would block a read, a link would read or write a file elsewhere)."""
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    why = ("dcpx follows no symbolic links inside a checkpoint directory"
+           if stat.S_ISLNK(mode) else "not a regular file")
+    return CorruptCheckpointError(f"{path}: {what}is {kind} ({why}; refused)")
+
+
+def open_regular(path: Union[str, Path]) -> int:
+    """A read-only descriptor of the regular file ``path``, opened without
+    following a link or blocking on a FIFO (csrc/files.c does the same for
+    the C reader).  The checkpoint directory itself may be a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENXIO):  # ENXIO: a socket
+            raise
+        mode = os.lstat(path).st_mode
+        if stat.S_ISREG(mode):
+            raise
+        raise special_file_error(path, mode) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise special_file_error(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Union[str, Path], offset: int = 0, length: int = -1) -> bytes:
+    """``length`` bytes at ``offset`` of a regular checkpoint file (all of
+    it from ``offset`` if length < 0); fewer only if the file is shorter."""
+    fd = open_regular(path)
+    try:
+        if length < 0:
+            length = max(0, os.fstat(fd).st_size - offset)
+        parts, got = [], 0
+        while got < length:
+            part = os.pread(fd, length - got, offset + got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def _check_dir(path: Path, create: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(
+            20, "dcpx: checkpoint path exists and is not a directory", str(path))
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+
+
+#: URL protocols that name the local file system (fsspec's LocalFileSystem).
+LOCAL_PROTOCOLS = ("file", "local")
+
+
+def url_protocol(checkpoint_id: Union[str, os.PathLike]) -> Optional[str]:
+    """The protocol of a URL checkpoint_id (``"s3"`` for ``s3://b/k``), or
+    None for a local path.  As torch's FileSystem.validate_checkpoint_id: a
+    ``Path`` is always local, a string is a URL when it contains ``://``."""
+    if isinstance(checkpoint_id, Path):
+        return None
+    s = os.fspath(checkpoint_id)
+    if isinstance(s, bytes):
+        s = os.fsdecode(s)
+    if "://" not in s:
+        return None
+    return s.split("://", 1)[0]
+
+
+def local_path(path: Union[str, os.PathLike]) -> Path:
+    """The local directory a FileSystemWriter / FileSystemReader path names:
+    a plain path, or a ``file://`` / ``local://`` URL with the protocol
+    stripped as fsspec strips it (``file:///abs`` is ``/abs``, ``file://rel``
+    is ``rel`` under the working directory).  Any other URL is refused:
+    dcpx never makes a local directory named after a URL (``s3:``)."""
+    proto = url_protocol(path)
+    if proto is None:
+        return Path(path)
+    if proto in LOCAL_PROTOCOLS:
+        return Path(os.fsdecode(os.fspath(path)).split("://", 1)[1])
+    raise ValueError(
+        f"dcpx: {os.fsdecode(os.fspath(path))!r} is a {proto}:// URL, not a local path: "
+        f"FileSystemWriter / FileSystemReader store only on the local file system. Pass "
+        f"the URL as checkpoint_id without a storage object, or use "
+        f"dcpx.fsspec.FsspecWriter / FsspecReader")

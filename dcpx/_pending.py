@@ -1,0 +1,180 @@
+"""The write of one save's data files, from the values to the C writer:
+
+* payloads: what the C writer is handed for one value (a tensor as a DLPack
+  export plus its storage type, after refusing what dcpx cannot save,
+  naming the key; a staged copy as a host view of the staging buffer; a
+  non-tensor value as the bytes torch writes) and the entry (index,
+  payload, size) that places it in a data file;
+* ``PendingWrite``: the data files being written by a C WriteJob
+  (csrc/writer.c).  Their layout (offset and length of every entry) is
+  known before the first byte is written, so the metadata is built and
+  encoded while the writer threads run."""
+from __future__ import annotations
+
+import heapq
+import io
+import os
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from . import _C
+from ._dtypes import dlpack_export, dlpack_view, storage_type_name
+
+
+if TYPE_CHECKING:
+    from ._writer import FileSystemWriter
+
+
+def check_saveable(t: torch.Tensor, key: str) -> str:
+    """The storage type name of a tensor dcpx can save, or a clear error
+    naming the key."""
+    if t.layout != torch.strided:
+        raise TypeError(f"dcpx: cannot save {key!r}: {t.layout} tensors are not "
+                        f"supported (convert with .to_dense())")
+    if t.is_nested:
+        raise TypeError(f"dcpx: cannot save {key!r}: nested tensors are not supported")
+    if t.is_quantized:
+        raise TypeError(f"dcpx: cannot save {key!r}: quantized tensors are not supported")
+    if t.device.type == "meta":
+        raise ValueError(f"dcpx: cannot save {key!r}: it is on the meta device "
+                         f"and has no data")
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        if t.numel() and t.data_ptr() == 0:
+            raise TypeError(f"dcpx: cannot save {key!r}: it is a {type(t).__name__} "
+                            f"without storage (a wrapper tensor subclass); save the "
+                            f"tensors it wraps")
+    try:
+        return storage_type_name(t.dtype)
+    except TypeError as e:
+        raise TypeError(f"dcpx: cannot save {key!r}: {e}") from None
+
+
+def tensor_payload(t: torch.Tensor, key: str) -> tuple:
+    """(tensor, storage type) for the C writer, or a clear error naming key."""
+    stype = check_saveable(t, key)
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return (dlpack_export(dlpack_view(t)), stype)
+
+
+def value_payload(obj: Any, key: str) -> bytes:
+    """A non-tensor value as the bytes item torch writes (``torch.save``),
+    or a clear error naming the key."""
+    buf = io.BytesIO()
+    try:
+        torch.save(obj, buf)
+    except Exception as e:
+        raise TypeError(f"dcpx: cannot save {key!r}: its value of type "
+                        f"{type(obj).__name__} does not pickle: {e}") from e
+    return buf.getvalue()
+
+
+class LazyItem(NamedTuple):
+    """A value that ``FileSystemWriter.write_items`` reads only once it has
+    decided which file it goes into: ``nbytes`` (its size, or an estimate for
+    a non-tensor value) is what closes the current file before ``read()`` is
+    called, so that at most one file's values are in memory at once."""
+    nbytes: int
+    read: Callable[[], Any]
+
+
+
+class _Entry(NamedTuple):
+    index: MetadataIndex
+    payload: Any          # bytes, or (tensor, storage_type)
+    nbytes: int
+
+
+def staged_payload(t: torch.Tensor, key: str) -> tuple:
+    """A staged tensor (a contiguous host view of a staging buffer) for the
+    C writer: no checks, no copies."""
+    return (dlpack_export(dlpack_view(t.detach())), storage_type_name(t.dtype))
+
+
+def _buckets(entries: Sequence[_Entry], n: int) -> list[list[_Entry]]:
+    """torch's _split_by_size_and_type: bytes round-robin, tensors largest
+    first onto the least-loaded bucket."""
+    if n <= 1:
+        return [list(entries)]
+    out: list[list[_Entry]] = [[] for _ in range(n)]
+    tensors = []
+    nb = 0
+    for e in entries:
+        if isinstance(e.payload, bytes):
+            out[nb % n].append(e)
+            nb += 1
+        else:
+            tensors.append(e)
+    tensors.sort(key=lambda e: e.nbytes, reverse=True)
+    heap = [(0, i) for i in range(n)]
+    for e in tensors:
+        load, i = heapq.heappop(heap)
+        out[i].append(e)
+        heapq.heappush(heap, (load + e.nbytes, i))
+    return out
+
+
+class PendingWrite:
+    """Data files being written by a C WriteJob; their layout is already
+    known, so the metadata can be built while the bytes go out."""
+
+    def __init__(self, writer: "FileSystemWriter", files: list[tuple[str, list[_Entry]]]):
+        self.writer = writer
+        self.files = files
+        self.paths = [str(writer.path / name) for name, _ in files]
+        self.job = _C.WriteJob(
+            [(p, [e.payload for e in ents]) for p, (_, ents) in zip(self.paths, files)],
+            sync_files=writer.sync_files, threads=max(1, writer.thread_count))
+        self.layout = self.job.layout()  # per file: (offset, length) per entry
+        self._results: Optional[list[WriteResult]] = None
+
+    @property
+    def results(self) -> list[WriteResult]:
+        """torch's WriteResult per entry (built on first use)."""
+        if self._results is None:
+            self._results = [
+                WriteResult(index=e.index, size_in_bytes=length,
+                            storage_data=_StorageInfo(name, offset, length))
+                for (name, ents), lay in zip(self.files, self.layout)
+                for e, (offset, length) in zip(ents, lay)
+            ]
+        return self._results
+
+    def start(self) -> "PendingWrite":
+        self.job.start()
+        return self
+
+    def wait(self) -> list[WriteResult]:
+        """Join the writer threads; on failure remove this save's files."""
+        try:
+            self.job.wait()
+        except BaseException:
+            self.discard()
+            raise
+        finally:
+            self.job.release()
+        return self.results
+
+    def abort(self) -> None:
+        """Stop the writer threads and remove this save's files."""
+        self.job.cancel()
+        try:
+            self.job.wait()
+        except OSError:
+            pass
+        finally:
+            self.job.release()
+        self.discard()
+
+    def discard(self) -> None:
+        """Best effort: never let cleanup hide the error that caused it."""
+        for p in self.paths:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass

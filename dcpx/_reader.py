@@ -1,0 +1,522 @@
+"""FileSystemReader: torch's StorageReader protocol over dcpx's C reader:
+CRC-checked reads into destination tensors (in place, via a bounded
+temporary for dtype casts, or through a pinned buffer for CUDA), safe
+loading of non-tensor values."""
+from __future__ import annotations
+
+import functools
+import io
+import os
+import stat
+import threading
+import uuid
+import warnings
+import zipfile
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from . import _C, _metadata, _values
+from ._dtypes import _TO_DLPACK, dlpack_view, storage_type_name
+from ._files import _check_dir, local_path, read_regular, special_file_error
+from .errors import CorruptCheckpointError, IncompleteCheckpointError
+
+
+def check_zip_crcs(raw: bytes, where: str) -> None:
+    """CRC-check every record of a torch.save archive held in memory."""
+    try:
+        bad = zipfile.ZipFile(io.BytesIO(raw)).testzip()
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as e:
+        raise CorruptCheckpointError(f"{where}: bad zip archive: {e}") from None
+    if bad is not None:
+        raise CorruptCheckpointError(f"{where}: record {bad} fails its CRC-32")
+
+
+def _torch_load_bytes(planner: LoadPlanner) -> bool:
+    """The planner's load_bytes is DefaultLoadPlanner's, which unpickles
+    the value with full pickle (weights_only=False) and stores it."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    return (type(planner).load_bytes is DefaultLoadPlanner.load_bytes
+            and hasattr(planner, "flatten_state_dict") and hasattr(planner, "state_dict"))
+
+
+def _set_value(planner: LoadPlanner, req: Any, value: Any) -> None:
+    """What DefaultLoadPlanner.load_bytes does with the value it unpickled,
+    given the value dcpx has already unpickled under its allow-list."""
+    from torch.distributed.checkpoint._traverse import set_element
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[req.dest_index.fqn], value)
+    else:
+        planner.state_dict[req.dest_index.fqn] = value
+#: bytes of saved-dtype temporaries (casting or resharding reads) alive at
+#: once during a load; a chunk larger than this is read alone
+_TEMP_BUDGET = 64 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_error(saved: torch.dtype, dest: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why ``Tensor.copy_`` (torch's load step) refuses saved -> dest, or None."""
+    try:
+        torch.zeros(1, dtype=dest, device=device).copy_(torch.zeros(1, dtype=saved))
+    except (RuntimeError, TypeError) as e:  # NotImplementedError is a RuntimeError
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def check_castable(key: str, saved: torch.dtype, target: torch.Tensor) -> None:
+    """Refuse, naming the key, a dtype pair torch's load refuses too."""
+    why = _cast_error(saved, target.dtype, target.device)
+    if why is not None:
+        raise TypeError(f"dcpx: cannot load {key!r}: the checkpoint holds {saved}, the "
+                        f"destination is {target.dtype}, and torch cannot convert "
+                        f"between them ({why})")
+
+
+class _TensorRead(NamedTuple):
+    key: str
+    info: _StorageInfo
+    chunk: torch.Size          # shape of the saved chunk
+    dtype: torch.dtype         # saved dtype
+    target: torch.Tensor       # where the (narrowed) data goes
+    narrow: Optional[tuple]    # (storage_offsets, lengths) within the chunk
+
+
+def _reads_to_device(r: _TensorRead) -> bool:
+    """Whether r's chunk can go to its CUDA target by the C load path
+    (csrc/cuda_load.c): a contiguous CUDA tensor of the saved shape and
+    dtype.  Casting or narrowing reads keep the temporary + ``copy_``."""
+    t = r.target
+    return (r.narrow is None and t.dtype == r.dtype and t.shape == r.chunk
+            and t.device.type == "cuda" and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
+
+
+#: bytes of the page-locked host buffer that loads into CUDA tensors read
+#: through (one per process, page-locked once and reused by every load); a
+#: chunk larger than this is read into a pageable temporary of its own
+_PINNED_LOAD = 64 << 20
+_pinned_lock = threading.Lock()
+_pinned_buffer: Optional[torch.Tensor] = None
+
+
+def _pinned_load_buffer() -> torch.Tensor:
+    """The process's load bounce buffer (_pinned_lock held), page-locked by
+    the C CUDA path at first use; a refusal warns and leaves it pageable.
+    Unregistered at interpreter exit (``_C.cuda_release_all``)."""
+    global _pinned_buffer
+    if _pinned_buffer is None:
+        buf = torch.empty(_PINNED_LOAD, dtype=torch.uint8)
+        try:
+            _C.cuda_host_register(buf)  # False, with a RuntimeWarning, if refused
+        except _C.CudaError as e:
+            warnings.warn(f"{e}; loading through pageable memory", RuntimeWarning,
+                          stacklevel=3)
+        _pinned_buffer = buf
+    return _pinned_buffer
+
+
+def _reads_in_place(r: _TensorRead) -> bool:
+    """Whether the C reader can read r's chunk straight into its target:
+    contiguous host memory of the saved shape and dtype."""
+    t = r.target
+    return (r.narrow is None and t.dtype == r.dtype and t.shape == r.chunk
+            and t.device.type == "cpu" and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
+
+
+class FileSystemReader(StorageReader):
+    """Drop-in for ``torch.distributed.checkpoint.FileSystemReader``.
+
+    Extra keyword arguments (dcpx's own):
+      ``thread_count``: C reader threads (default: up to 4 of the CPUs).
+      ``verify``: check each tensor record's CRC-32 (default True).
+      ``allow_pickle``: load non-tensor values with full pickle instead of
+        torch's ``weights_only`` allow-list (default False: a checkpoint can
+        never run code on load unless you trust it and say so).
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], _extension_registry: Any = None,
+                 thread_count: Optional[int] = None, verify: bool = True,
+                 allow_pickle: bool = False) -> None:
+        super().__init__()
+        self.path = local_path(path)
+        self.thread_count = thread_count or min(4, os.cpu_count() or 1)
+        self.verify = verify
+        self.allow_pickle = allow_pickle
+        self.storage_data: dict = {}
+        self.load_id = str(uuid.uuid4())
+        self.rank: Optional[int] = None
+        self.use_collectives = True
+        self._chunks: Optional[dict] = None
+        self._state_dict_metadata: dict = {}
+
+    # -- StorageReader protocol ------------------------------------------
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        self.storage_data = {}
+        self._chunks = None
+        if checkpoint_id:
+            self.path = local_path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = _metadata.METADATA_FN if rank is None else f"__{rank}{_metadata.METADATA_FN}"
+        path = self.path / name
+        _check_dir(self.path, create=False)
+        try:
+            data = read_regular(path)
+        except FileNotFoundError:
+            if not self.path.exists():
+                raise IncompleteCheckpointError(
+                    2, f"dcpx: no checkpoint at {self.path}: the directory does not exist",
+                    str(self.path)) from None
+            raise IncompleteCheckpointError(
+                2, f"dcpx: checkpoint at {self.path} is incomplete: it has no {name} "
+                   f"(the save never committed, or was interrupted)", str(path)) from None
+        md = _metadata.loads(data, str(path))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
+                              *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+        self._state_dict_metadata = metadata.state_dict_metadata
+        self._chunks = None
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+        self._validate_storage(metadata)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        reads, tensor_reqs = [], []
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                if _torch_load_bytes(planner):  # it would unpickle the bytes again
+                    _set_value(planner, req, self.load_value(req.storage_index.fqn, info))
+                else:
+                    planner.load_bytes(req, io.BytesIO(self.read_bytes(req.storage_index.fqn,
+                                                                       info)))
+                continue
+            chunk, dtype = self._chunk_of(req.storage_index)
+            target = planner.resolve_tensor(req).detach()
+            full = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(chunk)
+            reads.append(_TensorRead(req.storage_index.fqn, info, chunk, dtype, target,
+                                     None if full else (req.storage_offsets, req.lengths)))
+            tensor_reqs.append((req, target))
+        self.read_tensors(reads)
+        for req, target in tensor_reqs:
+            planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    @property
+    def checkpoint_id(self) -> Union[str, os.PathLike]:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        from ._writer import FileSystemWriter
+        return FileSystemWriter.validate_checkpoint_id(checkpoint_id)
+
+    # -- dcpx's pieces ----------------------------------------------------
+    def _validate_storage(self, metadata: Metadata) -> None:
+        """Reject paths that escape the directory and impossible extents
+        before anything is read."""
+        for _, error in self._storage_problems(metadata):
+            raise error
+
+    def check_storage(self, metadata: Metadata) -> list[tuple[MetadataIndex, Exception]]:
+        """Every storage entry of ``metadata`` that cannot be read, without
+        reading any data: a data file named outside the directory, missing or
+        not a regular file, an extent past the end of its file (truncated), a
+        stream transform.  One ``(index, error)`` per bad entry, in order;
+        ``error`` is the exception loading would raise for it.  Empty when
+        every entry can be read (``set_up_storage_reader`` raises the first)."""
+        return list(self._storage_problems(metadata))
+
+    def _storage_problems(self, metadata: Metadata):
+        sizes: dict[str, int] = {}  # data files found regular, by name
+        for index, info in metadata.storage_data.items():
+            try:
+                self._check_entry(index, info, sizes)
+            except Exception as e:  # noqa: B902 - each is the entry's own error
+                yield index, e
+
+    def _check_entry(self, index: Any, info: Any, sizes: dict[str, int]) -> None:
+        if not isinstance(info, _StorageInfo):
+            raise CorruptCheckpointError(f"{self.path}: bad storage entry for {index}")
+        rel = info.relative_path
+        if rel not in sizes:
+            if (not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel
+                    or rel in (".", "..") or "\0" in rel):
+                raise CorruptCheckpointError(
+                    f"{self.path}: metadata names data file {rel!r} outside the "
+                    f"checkpoint directory (refused)")
+            try:
+                st = os.lstat(self.path / rel)
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"{self.path}: data file {rel} is missing (needed by key "
+                    f"{getattr(index, 'fqn', index)!r})") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise special_file_error(
+                    self.path / rel, st.st_mode,
+                    f"data file (needed by key {getattr(index, 'fqn', index)!r}) ")
+            sizes[rel] = st.st_size
+        if (not isinstance(info.offset, int) or not isinstance(info.length, int)
+                or info.offset < 0 or info.length < 0
+                or info.offset + info.length > sizes[rel]):
+            raise CorruptCheckpointError(
+                f"{self.path / rel}: key {getattr(index, 'fqn', index)!r}: extent "
+                f"[{info.offset}, +{info.length}) lies outside the file "
+                f"({sizes[rel]} bytes; truncated?)")
+        if getattr(info, "transform_descriptors", None):
+            raise NotImplementedError(
+                f"dcpx: {self.path / rel} uses stream transforms "
+                f"{info.transform_descriptors}; load it with torch.distributed.checkpoint")
+
+    def read_chunk(self, index: MetadataIndex) -> torch.Tensor:
+        """The saved chunk at storage ``index`` (a key and a chunk's offsets)
+        of the metadata this reader was set up with, in its saved shape and
+        dtype, CRC-checked (``verify``)."""
+        chunk, dtype = self._chunk_of(index)
+        info = self.storage_data.get(index)
+        if info is None:
+            raise CorruptCheckpointError(
+                f"{self.path}: metadata has no storage entry for {index.fqn!r} at offset "
+                f"{tuple(index.offset)}")
+        out = torch.empty(chunk, dtype=dtype)
+        self.read_tensors([_TensorRead(index.fqn, info, chunk, dtype, out, None)])
+        return out
+
+    def read_key(self, fqn: str, metadata: Optional[Metadata] = None) -> Any:
+        """The whole saved value of key ``fqn``: a tensor with every chunk
+        (DTensor / sharded saves) read straight into its place in the result
+        (CRC-checked), or a non-tensor value (as ``load_value``).  Uses the
+        metadata the reader was set up with, or ``metadata`` (whose entries
+        for ``fqn`` are checked first, as ``set_up_storage_reader`` does).
+        Raises CorruptCheckpointError, naming the key, for a missing entry or
+        chunks that do not tile the tensor."""
+        if metadata is None:
+            sdm_all, storage = self._state_dict_metadata, self.storage_data
+        else:
+            sdm_all, storage = metadata.state_dict_metadata, metadata.storage_data
+            mine = {i: v for i, v in storage.items() if getattr(i, "fqn", None) == fqn}
+            self._validate_storage(Metadata(state_dict_metadata=sdm_all, storage_data=mine))
+        sdm = sdm_all[fqn]
+        if not isinstance(sdm, TensorStorageMetadata):
+            info = storage.get(MetadataIndex(fqn))
+            if info is None:
+                raise CorruptCheckpointError(f"{self.path}: metadata has no storage entry "
+                                             f"for {fqn!r}")
+            return self.load_value(fqn, info)
+        full = torch.empty(sdm.size, dtype=sdm.properties.dtype)
+        covered = 0
+        reads = []
+        for ch in sdm.chunks:
+            info = storage.get(MetadataIndex(fqn, ch.offsets))
+            if info is None:
+                raise CorruptCheckpointError(
+                    f"{self.path}: metadata has no storage entry for {fqn!r} at offset "
+                    f"{tuple(ch.offsets)}")
+            if any(o < 0 or o + n > size for o, n, size in zip(ch.offsets, ch.sizes, sdm.size)):
+                raise CorruptCheckpointError(
+                    f"{self.path}: chunk of {fqn!r} at {tuple(ch.offsets)} size "
+                    f"{tuple(ch.sizes)} lies outside its size {tuple(sdm.size)}")
+            target = full[tuple(slice(o, o + n) for o, n in zip(ch.offsets, ch.sizes))]
+            reads.append(_TensorRead(fqn, info, ch.sizes, sdm.properties.dtype, target, None))
+            covered += ch.sizes.numel()
+        if covered != sdm.size.numel():
+            raise CorruptCheckpointError(
+                f"{self.path}: the chunks of {fqn!r} hold {covered} elements, its size "
+                f"{tuple(sdm.size)} has {sdm.size.numel()} (overlapping or missing shards)")
+        self.read_tensors(reads)
+        return full
+
+    def _chunk_of(self, index: MetadataIndex) -> tuple:
+        if self._chunks is None:
+            self._chunks = {}
+            for fqn, md in self._state_dict_metadata.items():
+                if isinstance(md, TensorStorageMetadata):
+                    for ch in md.chunks:
+                        self._chunks[(fqn, tuple(ch.offsets))] = (ch.sizes, md.properties.dtype)
+        try:
+            return self._chunks[(index.fqn, tuple(index.offset))]
+        except KeyError:
+            raise CorruptCheckpointError(
+                f"{self.path}: no chunk of {index.fqn!r} at offset {tuple(index.offset)}") from None
+
+    def read_bytes(self, key: str, info: _StorageInfo, check: bool = True) -> Any:
+        """The raw bytes of a bytes item, after checking (unless ``check`` is
+        False or allow_pickle is set) that they unpickle under the allow-list
+        (dcpx._values; ``load_value`` reads and unpickles in one pass)."""
+        path = self.path / info.relative_path
+        data = read_regular(path, info.offset, info.length)
+        if len(data) != info.length:
+            raise CorruptCheckpointError(f"{path}: key {key!r}: file is truncated")
+        if self.verify:
+            check_zip_crcs(data, f"{path}: key {key!r}")
+        if check and not self.allow_pickle:
+            _values.loads(data, f"{path}: key {key!r}")
+        return data
+
+    def load_value(self, key: str, info: _StorageInfo) -> Any:
+        """A non-tensor value, read, CRC-checked and unpickled once: under
+        the allow-list of code-free types (dcpx._values, docs/api.md), or
+        with full pickle if the reader was built with allow_pickle=True."""
+        data = self.read_bytes(key, info, check=False)
+        return _values.loads(data, f"{self.path / info.relative_path}: key {key!r}",
+                             allow_pickle=self.allow_pickle)
+
+    def read_tensors(self, reads: Sequence[_TensorRead]) -> None:
+        """Read tensor chunks into their targets: straight into the target's
+        memory when it is contiguous host memory of the saved shape and dtype,
+        else through a temporary of the saved chunk (saved dtype), then
+        ``target.copy_(chunk narrowed)``: torch's own read_data step, which
+        also casts to the target's dtype.  A contiguous CUDA target of the
+        saved shape and dtype goes through the page-locked load buffer and
+        dcpx's stream instead (``_read_to_devices``).  Temporaries are held for at most
+        ``_TEMP_BUDGET`` bytes of chunks at a time (or one chunk if larger)."""
+        direct, staged, device = [], [], []
+        for r in reads:
+            if r.target.dtype != r.dtype:
+                check_castable(r.key, r.dtype, r.target)
+            if _reads_in_place(r):
+                direct.append(r)
+            elif _reads_to_device(r):
+                device.append(r)
+            else:
+                staged.append(r)
+        if device:
+            self._read_to_devices(device)
+        batch: list = []
+        nbytes = 0
+        for r in staged:
+            size = r.chunk.numel() * r.dtype.itemsize
+            if batch and nbytes + size > _TEMP_BUDGET:
+                self._read_batch(direct, batch)
+                direct, batch, nbytes = [], [], 0
+            batch.append(r)
+            nbytes += size
+        if direct or batch:
+            self._read_batch(direct, batch)
+
+    def _read_to_devices(self, reads: Sequence[_TensorRead]) -> None:
+        """Reads into contiguous CUDA tensors of the saved dtype and shape:
+        the C readers read each chunk into the process's page-locked load
+        buffer (``_PINNED_LOAD`` bytes, batches that fit it, one load at a
+        time), then ``_C.cuda_copy_from_host`` copies it to the device on
+        dcpx's own stream, after the work queued so far on each device's
+        current stream and before that stream's later work (events), and
+        returns once the buffer may be reused.  A chunk larger than the
+        buffer goes through a pageable temporary of its own."""
+        def flush(batch: list) -> None:
+            # The host slices are the reads' targets: contiguous CPU, same
+            # dtype and shape, so _read_batch reads straight into them (and
+            # handles torch-only records and errors, naming the key).
+            self._read_batch([r._replace(target=h) for r, h in batch], [])
+            pairs = []
+            for r, h in batch:
+                t = dlpack_view(r.target)
+                if _TO_DLPACK is not None and type(t) is torch.Tensor:
+                    t = _TO_DLPACK(t)
+                pairs.append((t, dlpack_view(h), r.key))
+            consumers = [(dev.index, torch.cuda.current_stream(dev).cuda_stream)
+                         for dev in {r.target.device for r, _ in batch}]
+            _C.cuda_copy_from_host(pairs, consumer_streams=consumers)
+
+        with _pinned_lock:
+            buf = _pinned_load_buffer()
+            batch: list = []
+            used = 0
+            for r in reads:
+                size = r.chunk.numel() * r.dtype.itemsize
+                if size > _PINNED_LOAD:
+                    flush([(r, torch.empty(r.chunk, dtype=r.dtype))])
+                    continue
+                off = -(-used // 64) * 64
+                if off + size > _PINNED_LOAD:
+                    flush(batch)
+                    batch, off = [], 0
+                host = buf[off:off + size].view(r.dtype).view(r.chunk)
+                batch.append((r, host))
+                used = off + size
+            if batch:
+                flush(batch)
+
+    def _read_batch(self, direct: Sequence[_TensorRead], staged: Sequence[_TensorRead]) -> None:
+        """One C read of ``direct`` reads (into their targets) and ``staged``
+        ones (into temporaries, then copied into their targets)."""
+        files: dict[str, int] = {}
+        items: list = []
+        later: dict[int, torch.Tensor] = {}  # item index -> its temporary
+        reads = [*direct, *staged]
+        for n, r in enumerate(reads):
+            dest = r.target if n < len(direct) else torch.empty(r.chunk, dtype=r.dtype)
+            if n >= len(direct):
+                later[n] = dest
+            fidx = files.setdefault(r.info.relative_path, len(files))
+            items.append((fidx, r.info.offset, r.info.length, dlpack_view(dest),
+                          storage_type_name(r.dtype)))
+        paths = [str(self.path / p) for p in files]
+        failures = _C.read_items(paths, items, threads=self.thread_count, verify=self.verify)
+        for i, code, err, msg in failures:
+            r = reads[i]
+            dest = items[i][3]
+            if code == 1:  # valid archive in a form the C reader leaves to torch
+                t = self._fallback_read(r)
+                if i in later:
+                    # copy_ from torch.load's tensor itself, with the record's
+                    # strides, as torch does: a cast's result can depend on
+                    # the source layout (NaN to bfloat16: 0x7fc0 strided,
+                    # 0xffff vectorised)
+                    later[i] = t
+                else:
+                    dest.copy_(t.view(dest.dtype) if dest.dtype != t.dtype else t)
+                continue
+            where = f"{self.path / r.info.relative_path}: key {r.key!r}"
+            if code == 3 and err:
+                raise OSError(err, f"dcpx: {where}: {msg}: {os.strerror(err)}",
+                              str(self.path / r.info.relative_path))
+            raise CorruptCheckpointError(f"{where}: {msg}")
+        for i, src in later.items():
+            r = reads[i]
+            if r.narrow is not None:
+                for dim, (start, length) in enumerate(zip(*r.narrow)):
+                    src = src.narrow(dim, start, length)
+            r.target.copy_(src)
+
+    def _fallback_read(self, r: _TensorRead) -> torch.Tensor:
+        """The record loaded by torch.load (checked against the metadata)."""
+        path = self.path / r.info.relative_path
+        raw = read_regular(path, r.info.offset, r.info.length)
+        try:
+            t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CorruptCheckpointError(f"{path}: key {r.key!r}: cannot load tensor "
+                                         f"record: {e}") from e
+        if not isinstance(t, torch.Tensor) or t.shape != r.chunk or t.dtype != r.dtype:
+            raise CorruptCheckpointError(
+                f"{path}: key {r.key!r}: record holds "
+                f"{getattr(t, 'dtype', type(t))}{tuple(getattr(t, 'shape', ()))}, "
+                f"metadata says {r.dtype}{tuple(r.chunk)}")
+        return t
