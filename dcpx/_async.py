@@ -111,6 +111,8 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
             err = staging_error(e, writer)
             if dist_path_eligible(writer, planner, no_dist):
                 _dist.abort_save(process_group, err)  # the other ranks raise too
+            if _dist_in_use(no_dist):  # torch's planner: tell them through its collectives
+                _dist.abort_torch_save(process_group, err, writer, use_collectives)
             raise err
     if _dist_in_use(no_dist):
         sharded = None
