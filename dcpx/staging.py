@@ -41,10 +41,10 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from . import _C
 from ._dtypes import _TO_DLPACK, dlpack_export, dlpack_view
+from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from .filesystem import check_saveable
 
