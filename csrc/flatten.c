@@ -305,16 +305,21 @@ static int walk_pair(walk_ctx *c, PyObject *path, PyObject *prefix,
     return r;
 }
 
-/* An exact dict, by PyDict_Next; a size change while walking raises what
- * dict iteration raises. */
+/* An exact dict, by PyDict_Next; a dict changed while walking raises what
+ * dict iteration raises (its iterator counts the entries left, too). */
 static int walk_dict(walk_ctx *c, PyObject *d, PyObject *path,
                      PyObject *prefix)
 {
-    Py_ssize_t pos = 0, n = PyDict_GET_SIZE(d);
+    Py_ssize_t pos = 0, n = PyDict_GET_SIZE(d), left = n;
     PyObject *k, *v;
     int r;
 
     while (PyDict_Next(d, &pos, &k, &v)) {
+        if (left-- == 0) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "dictionary keys changed during iteration");
+            return -1;
+        }
         /* The walk may run Python code that drops the dict's references. */
         Py_INCREF(k);
         Py_INCREF(v);

@@ -334,25 +334,46 @@ def test_fallback_cases_are_torchs(sd):
         assert _C.flatten_state_dict(sd) is None
 
 
-def test_dict_changed_during_walk():
-    class Grow:
-        def __init__(self, d):
-            self.d = d
+class Grow:
+    """A key whose str() adds an entry to the dict being walked."""
 
-        def __str__(self):
-            self.d["new"] = 1
-            return "g"
+    def __init__(self, d):
+        self.d = d
 
-    a, b = {}, {}
-    a[Grow(a)] = 1
-    a["z"] = 2
-    b[Grow(b)] = 1
-    b["z"] = 2
-    with pytest.raises(RuntimeError) as theirs:
-        torch_flatten(a)
-    with pytest.raises(RuntimeError) as ours:
-        _C.flatten_state_dict(b)
-    assert str(ours.value) == str(theirs.value)
+    def __str__(self):
+        self.d["new"] = 1
+        return "g"
+
+
+class Swap(Grow):
+    """A key whose str() replaces another entry: same size, other keys."""
+
+    def __str__(self):
+        if "z" in self.d:
+            del self.d["z"]
+            self.d["y"] = 1
+        return "s"
+
+
+@pytest.mark.parametrize("key", [Grow, Swap])
+@pytest.mark.parametrize("last", [False, True])
+def test_dict_changed_during_walk(key, last):
+    def make():
+        d = {}
+        if last:
+            d["z"] = 2
+        d[key(d)] = 1
+        if not last:
+            d["z"] = 2
+        return d
+
+    tk, theirs = _outcome(torch_flatten, make())
+    ok, ours = _outcome(_C.flatten_state_dict, make())
+    assert ok == tk
+    if tk == "raised":
+        assert type(ours) is RuntimeError and str(ours) == str(theirs)
+    else:  # an entry replaced after the walk passed it
+        assert [list(x) for x in ours] == [list(x) for x in theirs]
 
 
 def test_list_shrinking_during_walk():
