@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
 
@@ -205,6 +206,7 @@ def test_model_and_adam_state_dict():
     {1: TENSORS[0], 2.5: 1, None: 2, (1, 2): 3, True: 4, Key("k.x"): 5},
     {"a": {1: {2: TENSORS[0]}}},
     {"é": {"\U0001f600": {"\x00": 1}}},
+    {"\ud800": {"a\udfff.": [TENSORS[0]]}},          # lone surrogates
     {"a": TENSORS[0], "b": TENSORS[0]},            # one tensor at two keys
     OrderedDict(b=1, a=2),
     PairMapping([("z", {"y": [TENSORS[0]]})]),
@@ -546,3 +548,39 @@ def test_refcounts_on_error_and_fallback_paths(bad):
         except (ValueError, Boom):
             pass
     assert [sys.getrefcount(x) for x in watched] == before
+
+
+# --------------------------------------------------------------------------
+# dcpx's save, load and staging walk with it
+
+def test_save_load_and_async_save_use_the_c_walk(tmp_path, monkeypatch):
+    """With torch's function made to fail, dcpx still saves and loads
+    nested state dicts (sync and async, staged): every flatten on those
+    paths is the C walk's, and the keys are torch's (torch loads them)."""
+    import torch.distributed.checkpoint as tdcp
+
+    import dcpx
+    from dcpx import _flatten
+
+    def no(sd):
+        raise AssertionError("torch's flatten_state_dict called")
+
+    monkeypatch.setattr(_flatten, "_torch_flatten_state_dict", no)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    sd = {"model": model.state_dict(), "optim": opt.state_dict(), "extra": {"l": [torch.ones(2), 3]}}
+    dcpx.save(sd, checkpoint_id=tmp_path / "sync")
+    dcpx.async_save(sd, checkpoint_id=tmp_path / "async").result()
+    for d in ("sync", "async"):
+        out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()},
+               "extra": {"l": [torch.zeros(2), 0]}}
+        dcpx.load(out, checkpoint_id=tmp_path / d)
+        assert all(torch.equal(out["model"][k], v) for k, v in sd["model"].items())
+        assert torch.equal(out["extra"]["l"][0], torch.ones(2))
+        theirs = {"extra": {"l": [torch.zeros(2), 0]}}
+        with warnings.catch_warnings():  # "torch.distributed is disabled"
+            warnings.simplefilter("ignore")
+            tdcp.load(theirs, checkpoint_id=tmp_path / d)  # torch's own walk
+        assert torch.equal(theirs["extra"]["l"][0], torch.ones(2))
