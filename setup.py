@@ -31,6 +31,7 @@ SOURCES = [
     "csrc/cuda_stage.c",
     "csrc/cuda_load.c",
     "csrc/files.c",
+    "csrc/flatten.c",
 ]
 
 cflags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]

@@ -262,7 +262,14 @@ PyDoc_STRVAR(cuda_load_doc,
              " pairs: [(dst, src, name)]; consumer_streams: [(device, "
              "stream_handle)] (csrc/cuda_load.c).");
 
+PyDoc_STRVAR(flatten_doc,
+             "flatten_state_dict($module, state_dict, /)\n--\n\n"
+             "(flat, mappings) exactly as torch's flatten_state_dict returns "
+             "them, from one C walk; None where the walk cannot be sure to "
+             "match torch (then call torch's; csrc/flatten.c says when).");
+
 static PyMethodDef dcpx_methods[] = {
+    {"flatten_state_dict", dcpx_flatten_state_dict, METH_O, flatten_doc},
     {"cuda_driver_version", dcpx_cuda_driver_version, METH_NOARGS,
      cuda_version_doc},
     {"cuda_host_register", dcpx_cuda_host_register, METH_VARARGS,
@@ -327,7 +334,7 @@ static int dcpx_traverse(PyObject *m, visitproc visit, void *arg)
     dcpx_state *st = PyModule_GetState(m);
     Py_VISIT(st->WriteJob_Type);
     Py_VISIT(st->CudaError);
-    return 0;
+    return dcpx_flatten_traverse(&st->flat, visit, arg);
 }
 
 static int dcpx_clear(PyObject *m)
@@ -335,6 +342,7 @@ static int dcpx_clear(PyObject *m)
     dcpx_state *st = PyModule_GetState(m);
     Py_CLEAR(st->WriteJob_Type);
     Py_CLEAR(st->CudaError);
+    dcpx_flatten_clear(&st->flat);
     return 0;
 }
 

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from . import _C
 from ._dtypes import _TO_DLPACK, dlpack_export, dlpack_view
+from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._pending import check_saveable
 
