@@ -383,7 +383,15 @@ def machine_info(base, argv):
             "dir": real, "fs_type": mnt[2], "fs_device": mnt[0], "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "dcpx": dcpx.__version__,
-            "git": git.strip(), "loadavg_start": os.getloadavg()}
+            "git": git.strip(), **dcpx_source(), "loadavg_start": os.getloadavg()}
+
+
+def dcpx_source():
+    """Which dcpx tree was measured (PYTHONPATH decides; the script may be another tree's)."""
+    d = os.path.dirname(os.path.dirname(os.path.abspath(dcpx.__file__)))
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                         text=True, cwd=d).stdout.strip()
+    return {"dcpx_path": d, "dcpx_git": git or "?"}
 
 
 def f(x, nd=3):

@@ -441,9 +441,20 @@ def machine_info(workdir, dcpx_mod, dcpx_err):
         "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(),
         "dcpx": getattr(dcpx_mod, "__version__", "unknown") if dcpx_mod else f"not available ({dcpx_err})",
         "git": git or "?",
+        **dcpx_source(dcpx_mod),
         # on VMs, freed guest memory handed back to the host makes the next first touch slow
         "free_page_reporting": os.path.exists("/sys/module/page_reporting"),
     }
+
+
+def dcpx_source(mod):
+    """Which dcpx tree was measured (PYTHONPATH decides; the script may be another tree's)."""
+    if mod is None:
+        return {}
+    d = os.path.dirname(os.path.dirname(os.path.abspath(mod.__file__)))
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                         text=True, cwd=d).stdout.strip()
+    return {"dcpx_path": d, "dcpx_git": git or "?"}
 
 
 def fmt_ratio(r):
@@ -467,7 +478,7 @@ def render(results, meta, md):
     q = "`" if md else ""
     out = [h("dcpx I/O benchmark", 1), "", q + meta["command"] + q, ""]
     keys = ["date", "hostname", "cpu", "cores", "ram", "bench_dir", "fs_type", "fs_device", "kernel",
-            "python", "torch", "numpy", "torch_threads", "dcpx", "git", "read_mode", "thread_count",
+            "python", "torch", "numpy", "torch_threads", "dcpx", "git", "dcpx_path", "dcpx_git", "read_mode", "thread_count",
             "repeat", "peak_rss_gib", "free_page_reporting"]
     out += table(["machine / setting", "value"], [[k, str(meta.get(k))] for k in keys])
     for name, res in results.items():
