@@ -537,6 +537,8 @@ def parse_args(argv=None):
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the page cache before every read/load measurement (needs root)")
     p.add_argument("--no-dcpx", action="store_true", help="benchmark torch DCP and the limits only")
+    p.add_argument("--no-torch", action="store_true",
+                   help="dcpx and the limits only (e.g. the old tree's run for compare.py)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 64 MiB, 2000 small tensors, 5000 tiny tensors, 1 repeat")
     p.add_argument("--out", help="results path prefix (default: benchmarks/results/io_<host>[_quick])")
@@ -560,7 +562,7 @@ def main(argv=None):
         except OSError as e:
             sys.exit(f"--drop-caches: cannot write /proc/sys/vm/drop_caches ({e}); run as root")
     import torch.distributed.checkpoint as tdcp
-    libs = {"torch": tdcp}
+    libs = {} if args.no_torch else {"torch": tdcp}
     dcpx_mod, dcpx_err = (None, "--no-dcpx given") if args.no_dcpx else load_dcpx()
     if dcpx_mod:
         libs["dcpx"] = dcpx_mod
