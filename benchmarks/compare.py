@@ -94,6 +94,19 @@ def compare_io(old, new):
                       (f"{r['old_us_per_tensor']:.2f}", f"{r['new_us_per_tensor']:.2f}")),
                     r["verdict"] if r["case"] == "large" else "")
                    for r in rows])
+    peak = []
+    for case in new["results"]:
+        o_p = old["results"].get(case, {}).get("peak_extra_rss") or {}
+        n_p = new["results"][case].get("peak_extra_rss") or {}
+        peak += [{"case": case, "op": op, "old_mib": o_p[op]["extra_bytes"] / 2**20,
+                  "new_mib": n_p[op]["extra_bytes"] / 2**20} for op in n_p if op in o_p]
+    if peak:
+        out += ["", "Peak extra memory (RSS high-water mark above the state dict, fresh process "
+                "per library and operation):", ""]
+        out += _table(["case", "operation", "old MiB", "new MiB"],
+                      [(p["case"], p["op"], f"{p['old_mib']:.1f}", f"{p['new_mib']:.1f}")
+                       for p in peak])
+        rows = rows + [{"peak": p} for p in peak]
     return rows, out
 
 
