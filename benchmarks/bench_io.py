@@ -270,7 +270,6 @@ def run_case(name, sd, libs, args, workdir):
             o = ops[f"{lib} {op}"]
             o["us_per_tensor_over_limit"] = (o["median_s"] - ops[limit]["median_s"]) / len(sd) * 1e6
     noise = cpu_noise(cpu0, cpu_snapshot())
-    del dst, src_bufs, dst_bufs
     gc.collect()
     peak = peak_memory(name, libs, args, workdir) if name in args.peak_mem else {}
     return {"n_tensors": len(sd), "bytes": size, "ops": ops, "disk_bytes": disk,
