@@ -69,7 +69,12 @@ typedef struct {
     size_t memo_cap, memo_used;
     PyObject *kinds;  /* borrowed: {type: (kind, reducer)} */
     PyObject *proto;  /* owned: the protocol as an int */
+    /* owned, interned: _StorageInfo's attribute names (enc_storage) */
+    PyObject *names[4];
 } enc;
+
+static const char *const storage_names[4] = {
+    "relative_path", "offset", "length", "transform_descriptors"};
 
 static int enc_obj(enc *e, PyObject *o);
 
@@ -599,8 +604,7 @@ static int enc_getstate(enc *e, PyObject *o)
  * it has. */
 static int enc_storage(enc *e, PyObject *o)
 {
-    static const char *const names[] = {"relative_path", "offset", "length"};
-    PyObject *td = PyObject_GetAttrString(o, "transform_descriptors");
+    PyObject *td = PyObject_GetAttr(o, e->names[3]);
     int rc;
     if (td == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
@@ -614,7 +618,7 @@ static int enc_storage(enc *e, PyObject *o)
     Py_XDECREF(td);
     rc = enc_global(e, (PyObject *)Py_TYPE(o), NULL);
     for (int i = 0; rc == 0 && i < 3; i++) {
-        PyObject *v = PyObject_GetAttrString(o, names[i]);
+        PyObject *v = PyObject_GetAttr(o, e->names[i]);
         rc = v == NULL ? ERR : enc_obj(e, v);
         Py_XDECREF(v);
     }
@@ -730,7 +734,9 @@ static int enc_obj(enc *e, PyObject *o)
         return enc_int(e, o);
     if (t == &PyFloat_Type)
         return enc_float(e, o);
-    idx = memo_find(e, o);
+    /* A memoized object has the memo's reference besides its holder's and
+     * ours: an unshared one cannot be in the memo. */
+    idx = shared(o) ? memo_find(e, o) : -1;
     if (idx >= 0)
         return put_get(e, idx);
     if (Py_EnterRecursiveCall(" while encoding DCP metadata"))
@@ -771,6 +777,9 @@ PyObject *dcpx_dump_metadata(PyObject *Py_UNUSED(module), PyObject *args)
     head[0] = 0x80; /* PROTO, before the first frame */
     head[1] = (unsigned char)proto;
     rc = e.proto == NULL || memo_grow(&e) < 0 ? ERR : put(&e, head, 2);
+    for (int i = 0; rc == 0 && i < 4; i++)
+        if ((e.names[i] = PyUnicode_InternFromString(storage_names[i])) == NULL)
+            rc = ERR;
     e.framing = 1;
     if (rc == 0)
         rc = enc_obj(&e, obj);
@@ -790,5 +799,7 @@ PyObject *dcpx_dump_metadata(PyObject *Py_UNUSED(module), PyObject *args)
     PyMem_Free(e.memo);
     PyMem_Free(e.buf);
     Py_XDECREF(e.proto);
+    for (int i = 0; i < 4; i++)
+        Py_XDECREF(e.names[i]);
     return out;
 }
