@@ -450,11 +450,18 @@ static int enc_list(enc *e, PyObject *o)
     return 0;
 }
 
+/* Both held before either is written: writing the key may run Python code
+ * (a reduction) that changes the dict and drops the value. */
 static int enc_item(enc *e, PyObject *k, PyObject *v)
 {
-    int rc = enc_held(e, k);
+    int rc;
+    Py_INCREF(k);
+    Py_INCREF(v);
+    rc = enc_obj(e, k);
     if (rc == 0)
-        rc = enc_held(e, v);
+        rc = enc_obj(e, v);
+    Py_DECREF(k);
+    Py_DECREF(v);
     return rc;
 }
 
@@ -689,8 +696,10 @@ static int enc_reduce(enc *e, PyObject *o, PyObject *reducer)
         rc = enc_obj(e, args);
     if (rc == 0)
         rc = put1(e, 'R') < 0 ? ERR : 0;
-    if (rc == 0 && memo_find(e, o) < 0)
-        rc = memo_put_if_shared(e, o);
+    /* Memoized while its arguments were written: it contains itself, which
+     * the pickler writes in a form of its own. */
+    if (rc == 0)
+        rc = memo_find(e, o) >= 0 ? UNSUP : memo_put_if_shared(e, o);
 done:
     Py_DECREF(rv);
     return rc;
@@ -721,19 +730,33 @@ static int enc_instance(enc *e, PyObject *o)
     }
 }
 
+static int enc_ref(enc *e, PyObject *o);
+
 static int enc_obj(enc *e, PyObject *o)
+{
+    PyTypeObject *t = Py_TYPE(o);
+    int rc;
+    if (o == Py_None)
+        rc = put1(e, 'N');
+    else if (o == Py_True || o == Py_False)
+        rc = put1(e, o == Py_True ? (char)0x88 : (char)0x89);
+    else if (t == &PyLong_Type)
+        rc = enc_int(e, o);
+    else if (t == &PyFloat_Type)
+        rc = enc_float(e, o);
+    else
+        return enc_ref(e, o);
+    if (rc == 0)
+        boundary(e);
+    return rc;
+}
+
+/* Objects the pickler memoizes (everything but the atoms above). */
+static int enc_ref(enc *e, PyObject *o)
 {
     PyTypeObject *t = Py_TYPE(o);
     long idx;
     int rc;
-    if (o == Py_None)
-        return put1(e, 'N');
-    if (o == Py_True || o == Py_False)
-        return put1(e, o == Py_True ? (char)0x88 : (char)0x89);
-    if (t == &PyLong_Type)
-        return enc_int(e, o);
-    if (t == &PyFloat_Type)
-        return enc_float(e, o);
     /* A memoized object has the memo's reference besides its holder's and
      * ours: an unshared one cannot be in the memo. */
     idx = shared(o) ? memo_find(e, o) : -1;

@@ -458,3 +458,44 @@ def test_a_copy_encodes_like_the_original():
     md = _handmade()
     md.planner_data["again"] = md.state_dict_metadata["a"].size
     check_encodes(copy.deepcopy(md))
+
+
+# --------------------------------------------------------------------------
+# the stream itself
+
+def _frames(data: bytes) -> list:
+    import pickletools
+    return [arg for op, arg, _ in pickletools.genops(data) if op.name == "FRAME"]
+
+
+@pytest.mark.parametrize("value", [list(range(200000)), {str(i): i for i in range(50000)},
+                                   ["x" * 70000, 1, "y" * 100]], ids=["ints", "dict", "big str"])
+def test_frames_end_near_64_kib_and_big_strings_lie_between_frames(value):
+    c = c_body(value)
+    assert c is not None and pickle.loads(c) == value
+    frames = _frames(c)
+    assert frames and max(frames) < 65536 + 64
+    assert len(c) <= len(py_body(value))
+
+
+class _Mutating:
+    """A key whose reduction empties the dict holding it (and so drops the
+    value the encoder is about to write)."""
+
+    def __init__(self, target):
+        self.target = target
+
+
+def _reduce_and_clear(obj):
+    obj.target.clear()
+    return (pathlib.PurePosixPath, ("p",))
+
+
+def test_a_reduction_that_changes_the_dict_being_written_raises():
+    d: dict = {}
+    d[_Mutating(d)] = ["only held by the dict"]
+    d["other"] = 1
+    kinds = dict(_metadata._c_kinds())
+    kinds[_Mutating] = (4, _reduce_and_clear)  # KIND_REDUCE with a reducer
+    with pytest.raises(RuntimeError, match="changed size"):
+        _C.dump_metadata(d, kinds, 5)
