@@ -32,7 +32,12 @@
  * sharing is lost; unshared ones (most dataclass instances, their state
  * dicts, argument tuples) save a MEMOIZE opcode each, and the file is never
  * larger than Python's.  The memo holds a reference to every memoized
- * object, so a freed temporary's address cannot be mistaken for it later.
+ * object, so a freed temporary's address cannot be mistaken for it later,
+ * and so an unshared object is not even looked up.
+ *
+ * Runs with the GIL held throughout: reductions and __getstate__ are
+ * Python calls, and may change the graph; every object being written is
+ * held, and a dict that changes size raises as in the pickler.
  */
 #include "dcpx.h"
 

@@ -499,3 +499,16 @@ def test_a_reduction_that_changes_the_dict_being_written_raises():
     kinds[_Mutating] = (4, _reduce_and_clear)  # KIND_REDUCE with a reducer
     with pytest.raises(RuntimeError, match="changed size"):
         _C.dump_metadata(d, kinds, 5)
+
+
+def test_the_installed_torch_types_are_all_handed_to_c():
+    """A torch that changes how one of its metadata types pickles shows up
+    here (its metadata would silently take the slow path otherwise)."""
+    kinds = {cls: kind for cls, (kind, _) in _metadata._c_kinds().items()}
+    plain = {Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
+             MetadataIndex, StorageMeta}
+    assert {c for c, k in kinds.items() if k == _metadata._KIND_PLAIN} == plain
+    assert kinds[TensorProperties] == _metadata._KIND_GETSTATE
+    assert kinds[_StorageInfo] == _metadata._KIND_STORAGE
+    assert kinds[torch.Size] == _metadata._KIND_SIZE
+    assert kinds[torch.dtype] == kinds[torch.layout] == _metadata._KIND_REDUCE
