@@ -224,6 +224,14 @@ PyDoc_STRVAR(check_pickle_doc,
              "to hand to the unpickler (bounded memo indices, lengths inside "
              "the data, no persistent ids, extensions or out-of-band buffers).");
 
+PyDoc_STRVAR(dump_metadata_doc,
+             "dump_metadata($module, metadata, kinds, protocol, /)\n--\n\n"
+             "The pickle of a DCP Metadata object graph, written in C "
+             "(csrc/mdpickle.c); it loads to objects equal to pickle.dumps's. "
+             "kinds: {type: (kind, reducer)} for the non-builtin types "
+             "(dcpx/_metadata.py builds it).  None when the graph holds "
+             "anything else: the caller then uses Python's pickler.");
+
 PyDoc_STRVAR(cuda_version_doc,
              "cuda_driver_version($module, /)\n--\n\n"
              "Load the CUDA driver (libcuda.so.1, or $DCPX_LIBCUDA) and return "
@@ -284,6 +292,7 @@ static PyMethodDef dcpx_methods[] = {
      (PyCFunction)(void (*)(void))dcpx_cuda_copy_from_host,
      METH_VARARGS | METH_KEYWORDS, cuda_load_doc},
     {"check_pickle", dcpx_check_pickle, METH_VARARGS, check_pickle_doc},
+    {"dump_metadata", dcpx_dump_metadata, METH_VARARGS, dump_metadata_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},
     {"copy_into", (PyCFunction)(void (*)(void))dcpx_copy_into,
