@@ -30,6 +30,7 @@ SOURCES = [
     "csrc/cuda.c",
     "csrc/cuda_stage.c",
     "csrc/cuda_load.c",
+    "csrc/cuda_copy.c",
     "csrc/files.c",
 ]
 

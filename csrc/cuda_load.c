@@ -28,27 +28,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct {
-    int dev;
-    CUdeviceptr dst;
-    const char *src;
-    size_t n;
-    Py_ssize_t index;
-} hrun;
-
-typedef struct {
-    int dev;
-    CUstream stream;
-} cstream;
-
-static int cmp_hrun(const void *a, const void *b)
-{
-    const hrun *x = a, *y = b;
-    if (x->dev != y->dev)
-        return x->dev < y->dev ? -1 : 1;
-    return x->index < y->index ? -1 : (x->index > y->index);
-}
-
 /* GIL held.  dcpx's stream on `dev` waits for the work queued so far on
  * the consumer's `stream`. */
 static int after_consumer(PyObject *module, int dev, CUstream stream)
@@ -106,13 +85,14 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
     PyObject *pairs_obj, *cons_obj = NULL, *pairs = NULL, *cons = NULL;
     PyObject *result = NULL;
     dcpx_view *views = NULL; /* 2 per pair: dst, src */
-    hrun *runs = NULL;
-    cstream *cs = NULL;
-    CUevent ev[DCPX_CUDA_MAX_DEVICES];
+    dcpx_cuda_run *runs = NULL;
+    dcpx_cuda_stream *cs = NULL;
+    dcpx_cuda_batch b;
     Py_ssize_t n = 0, nviews = 0, nruns = 0, ncs = 0;
-    dcpx_cuda_err err = {CUDA_SUCCESS, NULL, -1, -1};
 
-    memset(ev, 0, sizeof(ev));
+    memset(&b, 0, sizeof(b));
+    b.err.index = b.err.dev = -1;
+    b.htod = 1;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|O:cuda_copy_from_host",
                                      kwlist, &pairs_obj, &cons_obj))
         return NULL;
@@ -170,24 +150,28 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
         if (dv->nbytes == 0)
             continue;
         runs[nruns].dev = dv->device_id;
-        runs[nruns].dst = (CUdeviceptr)(uintptr_t)dv->data;
-        runs[nruns].src = sv->data;
+        runs[nruns].dptr = (CUdeviceptr)(uintptr_t)dv->data;
+        runs[nruns].host = sv->data;
         runs[nruns].n = (size_t)dv->nbytes;
         runs[nruns].index = i;
         nruns++;
     }
-    qsort(runs, (size_t)nruns, sizeof(*runs), cmp_hrun);
+    b.runs = runs;
+    b.nruns = dcpx_cuda_runs_sort(runs, nruns, 0);
+    b.cons = cs;
+    b.ncons = ncs;
     /* Per device in use: order after its consumers, and create its event. */
-    for (Py_ssize_t i = 0; i < nruns; i++) {
+    for (Py_ssize_t i = 0; i < b.nruns; i++) {
         int d = runs[i].dev;
         CUresult rc;
         const char *call;
-        if (ev[d] != NULL)
+        if (b.ev[d] != NULL)
             continue;
         for (Py_ssize_t j = 0; j < ncs; j++)
             if (cs[j].dev == d && after_consumer(module, d, cs[j].stream) < 0)
                 goto done;
-        rc = dcpx_cuda_event_create(module, d, &ev[d], &call);
+        b.devs[d] = dcpx_cuda_device_get(module, d);
+        rc = dcpx_cuda_event_create(module, d, &b.ev[d], &call);
         if (rc != CUDA_SUCCESS) {
             char what[128];
             snprintf(what, sizeof(what), "%s on device %d", call, d);
@@ -195,91 +179,20 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
             goto done;
         }
     }
-    {
-        dcpx_cuda_device *devs[DCPX_CUDA_MAX_DEVICES];
-        int queued[DCPX_CUDA_MAX_DEVICES];
-        for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
-            devs[d] = ev[d] != NULL ? dcpx_cuda_device_get(module, d) : NULL;
-            queued[d] = 0;
-        }
-        Py_BEGIN_ALLOW_THREADS
-        CUcontext saved = NULL;
-        CUresult rc;
-        dcpx_cu.cuCtxGetCurrent(&saved);
-        for (Py_ssize_t i = 0; i < nruns && err.rc == CUDA_SUCCESS; i++) {
-            const hrun *r = &runs[i];
-            dcpx_cuda_device *d = devs[r->dev];
-            if (i == 0 || runs[i - 1].dev != r->dev) {
-                if ((rc = dcpx_cu.cuCtxSetCurrent(d->ctx)) != CUDA_SUCCESS) {
-                    err.rc = rc, err.call = "cuCtxSetCurrent";
-                    err.index = r->index, err.dev = r->dev;
-                    break;
-                }
-            }
-            rc = dcpx_cu.cuMemcpyHtoDAsync_v2(r->dst, r->src, r->n,
-                                              d->stream);
-            if (rc != CUDA_SUCCESS) {
-                err.rc = rc, err.call = "cuMemcpyHtoDAsync";
-                err.index = r->index, err.dev = r->dev;
-                break;
-            }
-            queued[r->dev] = 1;
-            if (i + 1 < nruns && runs[i + 1].dev == r->dev)
-                continue;
-            /* The device's last copy: its event, which the consumers'
-             * streams wait on. */
-            if ((rc = dcpx_cu.cuEventRecord(ev[r->dev], d->stream)) !=
-                CUDA_SUCCESS) {
-                err.rc = rc, err.call = "cuEventRecord";
-                err.index = r->index, err.dev = r->dev;
-                break;
-            }
-            queued[r->dev] = 2;
-            for (Py_ssize_t j = 0; j < ncs; j++) {
-                if (cs[j].dev != r->dev)
-                    continue;
-                rc = dcpx_cu.cuStreamWaitEvent(cs[j].stream, ev[r->dev], 0);
-                if (rc != CUDA_SUCCESS) {
-                    err.rc = rc;
-                    err.call = "cuStreamWaitEvent on the consumer's stream";
-                    err.index = r->index, err.dev = r->dev;
-                    break;
-                }
-            }
-        }
-        /* Wait for everything queued, even after an error: the host
-         * buffers must not be read once we return. */
-        dcpx_cuda_drain(devs, ev, queued, "cuEventSynchronize (host-to-device "
-                        "copies)", &err);
-        dcpx_cu.cuCtxSetCurrent(saved);
-        Py_END_ALLOW_THREADS
-    }
-    if (err.rc != CUDA_SUCCESS) {
-        char what[320];
-        if (err.index >= 0) {
-            PyObject *item = PySequence_Fast_GET_ITEM(pairs, err.index);
-            PyObject *name = PyObject_Str(PyTuple_GET_ITEM(item, 2));
-            const char *s = name != NULL ? PyUnicode_AsUTF8(name) : NULL;
-            if (s != NULL)
-                snprintf(what, sizeof(what), "%s for tensor '%.200s' on "
-                         "device %d", err.call, s, err.dev);
-            else
-                snprintf(what, sizeof(what), "%s for tensor #%zd on device "
-                         "%d", err.call, err.index, err.dev);
-            PyErr_Clear();
-            Py_XDECREF(name);
-        }
-        else {
-            snprintf(what, sizeof(what), "%s on device %d", err.call,
-                     err.dev);
-        }
-        dcpx_cuda_raise(module, err.rc, what);
+    Py_BEGIN_ALLOW_THREADS
+    dcpx_cuda_batch_queue(&b);
+    /* Wait for everything queued, even after an error: the host buffers
+     * must not be read once we return. */
+    dcpx_cuda_batch_wait(&b, "cuEventSynchronize (host-to-device copies)");
+    Py_END_ALLOW_THREADS
+    if (b.err.rc != CUDA_SUCCESS) {
+        dcpx_cuda_batch_raise(module, &b, pairs);
         goto done;
     }
     Py_INCREF(Py_None);
     result = Py_None;
 done:
-    dcpx_cuda_events_destroy(module, ev);
+    dcpx_cuda_batch_destroy(&b);
     for (Py_ssize_t i = 0; i < nviews; i++)
         dcpx_view_release(&views[i]);
     PyMem_Free(views);

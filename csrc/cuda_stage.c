@@ -33,14 +33,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef struct {
-    int dev;           /* device ordinal */
-    CUdeviceptr src;
-    char *dst;
-    size_t n;
-    Py_ssize_t index;  /* the first pair of the run */
-} crun;
-
 /* src as a DLPack capsule, exported with the stream handshake when src is
  * a tensor object on a CUDA device. */
 static PyObject *export_cuda(PyObject *module, PyObject *src)
@@ -98,14 +90,6 @@ done:
     return cap;
 }
 
-static int cmp_run(const void *a, const void *b)
-{
-    const crun *x = a, *y = b;
-    if (x->dev != y->dev)
-        return x->dev < y->dev ? -1 : 1;
-    return x->index < y->index ? -1 : (x->index > y->index);
-}
-
 /* GIL held.  Make dcpx's stream on `dev` wait for the work queued so far on
  * the producer's `stream`. */
 static int wait_on(PyObject *module, int dev, unsigned long long stream)
@@ -150,13 +134,13 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
     PyObject *pairs_obj, *base_obj, *waits_obj = NULL;
     PyObject *pairs = NULL, *waits = NULL, *result = NULL;
     dcpx_view base, *views = NULL;
-    crun *runs = NULL;
-    CUevent ev[DCPX_CUDA_MAX_DEVICES];
+    dcpx_cuda_run *runs = NULL;
+    dcpx_cuda_batch b;
     int have_base = 0;
     Py_ssize_t n = 0, nviews = 0, nruns = 0;
-    dcpx_cuda_err err = {CUDA_SUCCESS, NULL, -1, -1};
 
-    memset(ev, 0, sizeof(ev));
+    memset(&b, 0, sizeof(b));
+    b.err.index = b.err.dev = -1;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:cuda_copy_into",
                                      kwlist, &pairs_obj, &base_obj,
                                      &waits_obj))
@@ -243,115 +227,42 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
         if (v->nbytes == 0)
             continue;
         runs[nruns].dev = v->device_id;
-        runs[nruns].src = (CUdeviceptr)(uintptr_t)v->data;
-        runs[nruns].dst = base.data + o;
+        runs[nruns].dptr = (CUdeviceptr)(uintptr_t)v->data;
+        runs[nruns].host = base.data + o;
         runs[nruns].n = (size_t)v->nbytes;
         runs[nruns].index = i;
         nruns++;
     }
     /* By device, in the caller's order; then coalesce runs adjacent both
      * on the device and in the buffer. */
-    qsort(runs, (size_t)nruns, sizeof(*runs), cmp_run);
-    Py_ssize_t m = 0;
-    for (Py_ssize_t i = 0; i < nruns; i++) {
-        if (m > 0 && runs[m - 1].dev == runs[i].dev &&
-            runs[m - 1].src + runs[m - 1].n == runs[i].src &&
-            runs[m - 1].dst + runs[m - 1].n == runs[i].dst)
-            runs[m - 1].n += runs[i].n;
-        else
-            runs[m++] = runs[i];
-    }
-    nruns = m;
+    b.runs = runs;
+    b.nruns = dcpx_cuda_runs_sort(runs, nruns, 1);
     /* One event per device in use, created here (they need the device's
      * context current, and creating them cannot fail half-way through the
      * copies). */
-    for (Py_ssize_t i = 0; i < nruns; i++) {
-        int d = runs[i].dev;
+    {
         const char *call;
-        if (ev[d] != NULL)
-            continue;
-        CUresult rc = dcpx_cuda_event_create(module, d, &ev[d], &call);
+        int dev;
+        CUresult rc = dcpx_cuda_batch_events(module, &b, &call, &dev);
         if (rc != CUDA_SUCCESS) {
             dcpx_cuda_raise(module, rc, call);
             goto done;
         }
     }
-    {
-        dcpx_cuda_device *devs[DCPX_CUDA_MAX_DEVICES];
-        int queued[DCPX_CUDA_MAX_DEVICES];
-        for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
-            devs[d] = ev[d] != NULL ? dcpx_cuda_device_get(module, d) : NULL;
-            queued[d] = 0;
-        }
-        Py_BEGIN_ALLOW_THREADS
-        CUcontext saved = NULL;
-        CUresult rc;
-        dcpx_cu.cuCtxGetCurrent(&saved);
-        for (Py_ssize_t i = 0; i < nruns && err.rc == CUDA_SUCCESS; i++) {
-            const crun *r = &runs[i];
-            dcpx_cuda_device *d = devs[r->dev];
-            if (i == 0 || runs[i - 1].dev != r->dev) {
-                rc = dcpx_cu.cuCtxSetCurrent(d->ctx);
-                if (rc != CUDA_SUCCESS) {
-                    dcpx_cuda_note(&err, rc, "cuCtxSetCurrent", r->index,
-                                   r->dev);
-                    break;
-                }
-            }
-            rc = dcpx_cu.cuMemcpyDtoHAsync_v2(r->dst, r->src, r->n,
-                                              d->stream);
-            if (rc != CUDA_SUCCESS) {
-                dcpx_cuda_note(&err, rc, "cuMemcpyDtoHAsync", r->index,
-                                   r->dev);
-                break;
-            }
-            queued[r->dev] = 1;
-            if (i + 1 == nruns || runs[i + 1].dev != r->dev) {
-                /* The device's last copy: its event. */
-                rc = dcpx_cu.cuEventRecord(ev[r->dev], d->stream);
-                if (rc != CUDA_SUCCESS) {
-                    dcpx_cuda_note(&err, rc, "cuEventRecord", r->index,
-                                   r->dev);
-                    break;
-                }
-                queued[r->dev] = 2;
-            }
-        }
-        /* Wait for everything queued, even after an error: the buffer must
-         * not be written once we return. */
-        dcpx_cuda_drain(devs, ev, queued, "cuEventSynchronize (device-to-host "
-                        "copies)", &err);
-        dcpx_cu.cuCtxSetCurrent(saved);
-        Py_END_ALLOW_THREADS
-    }
-    if (err.rc != CUDA_SUCCESS) {
-        char what[320];
-        PyObject *name = NULL;
-        if (err.index >= 0) {
-            PyObject *item = PySequence_Fast_GET_ITEM(pairs, err.index);
-            if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) > 2)
-                name = PyObject_Str(PyTuple_GET_ITEM(item, 2));
-            if (name != NULL && PyUnicode_Check(name))
-                snprintf(what, sizeof(what), "%s for tensor '%.200s' on "
-                         "device %d", err.call, PyUnicode_AsUTF8(name),
-                         err.dev);
-            else
-                snprintf(what, sizeof(what), "%s for tensor #%zd on device "
-                         "%d", err.call, err.index, err.dev);
-            PyErr_Clear();
-            Py_XDECREF(name);
-        }
-        else {
-            snprintf(what, sizeof(what), "%s on device %d", err.call,
-                     err.dev);
-        }
-        dcpx_cuda_raise(module, err.rc, what);
+    Py_BEGIN_ALLOW_THREADS
+    dcpx_cuda_batch_queue(&b);
+    /* Wait for everything queued, even after an error: the buffer must
+     * not be written once we return. */
+    dcpx_cuda_batch_wait(&b, "cuEventSynchronize (device-to-host copies)");
+    Py_END_ALLOW_THREADS
+    if (b.err.rc != CUDA_SUCCESS) {
+        dcpx_cuda_batch_raise(module, &b, pairs);
         goto done;
     }
     Py_INCREF(Py_None); /* Py_NewRef is 3.10+ */
     result = Py_None;
 done:
-    dcpx_cuda_events_destroy(module, ev);
+    dcpx_cuda_batch_destroy(&b);
     for (Py_ssize_t i = 0; i < nviews; i++)
         dcpx_view_release(&views[i]);
     if (have_base)

@@ -629,7 +629,7 @@ def test_the_cuda_sources_compile_with_and_without_the_toolkit(with_toolkit):
              "-I", sysconfig.get_paths()["include"]]
     if with_toolkit:
         flags += ["-DDCPX_HAVE_CUDA_H", "-I", _toolkit_include()]
-    for src in ("cuda.c", "cuda_stage.c", "cuda_load.c", "module.c"):
+    for src in ("cuda.c", "cuda_copy.c", "cuda_stage.c", "cuda_load.c", "module.c"):
         r = subprocess.run(["cc", *flags, str(REPO / "csrc" / src)], capture_output=True, text=True)
         assert r.returncode == 0, (src, r.stderr)
 
