@@ -174,7 +174,42 @@ void dcpx_cuda_batch_raise(PyObject *module, const dcpx_cuda_batch *b,
         Py_XDECREF(name);
     }
     else {
-        snprintf(what, sizeof(what), "%s on device %d", err->call, err->dev);
+        /* A failed wait (an asynchronous error): any of the device's copies
+         * may be the one; name the tensors they were for. */
+        int len = snprintf(what, sizeof(what), "%s on device %d",
+                           err->call, err->dev);
+        Py_ssize_t named = 0, total = 0;
+        for (Py_ssize_t i = 0; i < b->nruns; i++) {
+            PyObject *item, *name = NULL;
+            const char *s = NULL;
+            if (b->runs[i].dev != err->dev)
+                continue;
+            total++;
+            item = PySequence_Fast_GET_ITEM(pairs, b->runs[i].index);
+            if (named == 4 || len < 0 || (size_t)len >= sizeof(what) - 64)
+                continue;
+            if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) > 2)
+                name = PyObject_Str(PyTuple_GET_ITEM(item, 2));
+            if (name != NULL && PyUnicode_Check(name))
+                s = PyUnicode_AsUTF8(name);
+            if (s != NULL)
+                len += snprintf(what + len, sizeof(what) - (size_t)len,
+                                "%s'%.40s'", named ? ", " : " (tensors ", s);
+            else
+                len += snprintf(what + len, sizeof(what) - (size_t)len,
+                                "%s#%zd", named ? ", " : " (tensors ",
+                                b->runs[i].index);
+            named++;
+            PyErr_Clear();
+            Py_XDECREF(name);
+        }
+        if (named > 0 && len > 0 && (size_t)len < sizeof(what) - 32) {
+            if (total > named)
+                snprintf(what + len, sizeof(what) - (size_t)len,
+                         " and %zd more)", total - named);
+            else
+                snprintf(what + len, sizeof(what) - (size_t)len, ")");
+        }
     }
     dcpx_cuda_raise(module, err->rc, what);
 }

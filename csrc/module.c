@@ -255,12 +255,20 @@ PyDoc_STRVAR(cuda_copy_doc,
              "(csrc/cuda_stage.c).");
 
 PyDoc_STRVAR(cuda_load_doc,
-             "cuda_copy_from_host($module, pairs, consumer_streams=())\n--\n\n"
+             "cuda_copy_from_host($module, pairs, consumer_streams=(), "
+             "wait=True)\n--\n\n"
              "Copy host buffers into CUDA tensors on dcpx's own stream, "
              "after the consumer streams' pending work and before their "
              "later work (events), and wait for the copies without the GIL. "
              " pairs: [(dst, src, name)]; consumer_streams: [(device, "
-             "stream_handle)] (csrc/cuda_load.c).");
+             "stream_handle)].  With wait=False, return once the copies are "
+             "queued: a handle for cuda_wait (csrc/cuda_load.c).");
+
+PyDoc_STRVAR(cuda_wait_doc,
+             "cuda_wait($module, pending, /)\n--\n\n"
+             "Wait, without the GIL, for the copies of "
+             "cuda_copy_from_host(..., wait=False); raise CudaError naming "
+             "the call, key and device if one failed.  Idempotent.");
 
 static PyMethodDef dcpx_methods[] = {
     {"cuda_driver_version", dcpx_cuda_driver_version, METH_NOARGS,
@@ -276,6 +284,7 @@ static PyMethodDef dcpx_methods[] = {
     {"cuda_copy_from_host",
      (PyCFunction)(void (*)(void))dcpx_cuda_copy_from_host,
      METH_VARARGS | METH_KEYWORDS, cuda_load_doc},
+    {"cuda_wait", dcpx_cuda_wait, METH_O, cuda_wait_doc},
     {"check_pickle", dcpx_check_pickle, METH_VARARGS, check_pickle_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},

@@ -21,7 +21,7 @@ def check_pickle(data: bytes | bytearray | memoryview, /) -> None: ...
 def prefault(tensor: Any, threads: int = 1) -> None: ...
 def copy_into(pairs: Sequence[Tuple[Any, Any]], threads: int = 1, base: Any = None) -> None: ...
 
-# The CUDA path (csrc/cuda.c, csrc/cuda_stage.c, csrc/cuda_load.c; docs/design.md, "CUDA path").
+# The CUDA path (csrc/cuda.c, csrc/cuda_copy.c, csrc/cuda_stage.c, csrc/cuda_load.c; docs/design.md, "CUDA path").
 class CudaError(RuntimeError):
     code: int
 
@@ -37,7 +37,9 @@ def cuda_copy_into(
 def cuda_copy_from_host(
     pairs: Sequence[Tuple[Any, Any, str]],
     consumer_streams: Sequence[Tuple[int, int]] = (),
-) -> None: ...
+    wait: bool = True,
+) -> Any: ...  # None, or with wait=False a handle for cuda_wait
+def cuda_wait(pending: Any, /) -> None: ...
 
 class WriteJob:
     def __init__(

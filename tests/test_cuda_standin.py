@@ -1024,3 +1024,162 @@ def test_loads_into_cuda_tensors_from_several_threads_at_once(reader_cuda, lib, 
     assert not errors, errors
     assert lib.fake_violations() == 0
     assert lib.fake_calls(b"cuMemHostRegister_v2") == 1
+
+
+# --------------------------------------------------------------------------
+# loads: reading the next part while the previous part's copies run
+
+def test_a_pending_load_is_waited_for_once_and_a_dropped_one_still_waits(lib):
+    """cuda_copy_from_host(..., wait=False) returns with the copies queued;
+    cuda_wait waits (a second call returns at once); a handle dropped
+    without cuda_wait still waits for its copies before the sources go."""
+    lib.fake_hold_copies(1)
+    ts = [FakeCudaTensor(lib.devices[i % 2], 3000 + i) for i in range(3)]
+    data = [_rand(t.nbytes, 200 + i) for i, t in enumerate(ts)]
+    p = _C.cuda_copy_from_host([(t, _host(d), f"k{i}") for i, (t, d) in enumerate(zip(ts, data))],
+                               consumer_streams=_consumers(lib), wait=False)
+    assert lib.fake_copies_queued() == 3 and lib.fake_copies_run() == 0
+    lib.fake_hold_copies(0)
+    _C.cuda_wait(p)
+    assert lib.fake_copies_run() == 3 and [t.read() for t in ts] == data
+    _C.cuda_wait(p)  # idempotent
+    lib.fake_set_delay(b"copy", 20_000)
+    p = _C.cuda_copy_from_host([(ts[0], _host(data[1][:3000]), "x")], wait=False)
+    del p
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 4
+    assert ts[0].read() == data[1][:3000]
+    with pytest.raises(ValueError):
+        _C.cuda_wait(object.__new__(object))
+    for t in ts:
+        t.free()
+
+
+def _saved_many(tmp_path, sizes, seed=5):
+    import dcpx
+    g = torch.Generator().manual_seed(seed)
+    sd = {f"t{i:02d}": torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
+          for i, n in enumerate(sizes)}
+    dcpx.save(sd, checkpoint_id=str(tmp_path / "ckpt"))
+    return sd, tmp_path / "ckpt"
+
+
+def _spy_reads(monkeypatch, reader, lib, on_call):
+    """Wrap reader._read_batch: on_call(n, queued, run) before the n-th read."""
+    orig = reader._read_batch
+    count = [0]
+
+    def spy(direct, staged):
+        count[0] += 1
+        on_call(count[0], lib.fake_copies_queued(), lib.fake_copies_run())
+        return orig(direct, staged)
+
+    monkeypatch.setattr(reader, "_read_batch", spy)
+
+
+def test_a_load_reads_the_next_batch_while_the_previous_batchs_copies_run(
+        reader_cuda, lib, tmp_path, monkeypatch):
+    """With every copy held back by the stand-in, the second batch is read
+    while the first batch's copy has not run: reading and copying overlap.
+    (Without the overlap the load would wait for the held copy; the timer
+    only bounds how long such a failure takes.)"""
+    sd, path = _saved_many(tmp_path, [6000] * 5)  # one per 8 KiB half
+    reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(0,))
+    seen = []
+
+    def on_call(n, queued, run):
+        seen.append((queued, run))
+        if n == 2:
+            lib.fake_hold_copies(0)
+
+    _spy_reads(monkeypatch, reader, lib, on_call)
+    lib.fake_hold_copies(1)
+    safety = threading.Timer(30, lib.fake_hold_copies, (0,))
+    safety.start()
+    try:
+        reader.read_tensors(reads)
+    finally:
+        safety.cancel()
+    assert seen[:2] == [(0, 0), (1, 0)], seen
+    assert len(seen) == 5
+    for key, v in sd.items():
+        assert targets[key].read() == _raw(v), key
+        targets[key].free()
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 5
+    assert lib.fake_violations() == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_half_is_never_read_into_before_its_copies_completed(reader_cuda, lib, tmp_path,
+                                                                 seed):
+    """Random sizes (some larger than a half, one larger than the buffer)
+    and random copy delays: a half overwritten while its copy is pending
+    would put the next batch's bytes on the device.  Bit exact every time."""
+    rng = random.Random(seed)
+    sizes = [rng.choice([rng.randint(1, 3000), rng.randint(3000, 8192),
+                         rng.randint(8193, 16384)]) for _ in range(24)] + [20000]
+    rng.shuffle(sizes)
+    sd, path = _saved_many(tmp_path, sizes, seed=seed)
+    lib.fake_set_delay(b"copy_jitter", 3_000)
+    for _ in range(2):
+        reader, reads, targets = _reads(reader_cuda, path, lib, sd)
+        reader.read_tensors(reads)
+        for key, v in sd.items():
+            assert targets[key].read() == _raw(v), key
+            targets[key].free()
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 2 * len(sizes)
+    assert lib.fake_violations() == 0
+
+
+def test_a_read_error_while_a_copy_runs_is_named_and_the_copy_drained(reader_cuda, lib,
+                                                                       tmp_path, monkeypatch):
+    from dcpx.errors import CorruptCheckpointError
+    sd, path = _saved_many(tmp_path, [6000] * 3)
+    reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(0,))
+    r = next(r for r in reads if r.key == "t01")
+    f = path / r.info.relative_path
+    raw = bytearray(f.read_bytes())
+    at = raw.find(_raw(sd["t01"]), r.info.offset)
+    raw[at + 10] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    seen = []
+
+    def on_call(n, queued, run):
+        seen.append((queued, run))
+        if n == 2:
+            lib.fake_hold_copies(0)
+
+    _spy_reads(monkeypatch, reader, lib, on_call)
+    lib.fake_hold_copies(1)
+    lib.fake_set_delay(b"copy", 20_000)
+    with pytest.raises(CorruptCheckpointError, match="'t01'"):
+        reader.read_tensors(reads)
+    assert seen == [(0, 0), (1, 0)]  # the first copy was pending at the failed read
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 1
+    assert targets["t00"].read() == _raw(sd["t00"])
+    for ft in targets.values():
+        ft.free()
+
+
+@pytest.mark.parametrize("how", ["async", "queue"])
+def test_a_copy_error_of_an_earlier_batch_is_named_and_nothing_left_running(
+        reader_cuda, lib, tmp_path, how):
+    """An asynchronous failure of the first batch's copy (reported when its
+    half is next needed) or a failure queueing the second batch's copy:
+    CudaError naming the key, no copy left running, the next load works."""
+    sd, path = _saved_many(tmp_path, [6000] * 4)
+    reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(1,))
+    lib.fake_set_delay(b"copy", 5_000)
+    if how == "async":
+        lib.fake_fail_async(1, ILLEGAL_ADDRESS)
+        match = r"cuEventSynchronize \(host-to-device copies\) on device 1 \(tensors 't00'\)"
+    else:
+        lib.fake_fail(b"cuMemcpyHtoDAsync_v2", 2, OUT_OF_MEMORY)
+        match = "cuMemcpyHtoDAsync for tensor 't01' on device 1"
+    with pytest.raises(_C.CudaError, match=match):
+        reader.read_tensors(reads)
+    assert lib.fake_copies_run() == lib.fake_copies_queued()
+    lib.fake_reset()
+    reader.read_tensors(reads)
+    for key, v in sd.items():
+        assert targets[key].read() == _raw(v), key
+        targets[key].free()
