@@ -31,6 +31,7 @@ SOURCES = [
     "csrc/cuda_stage.c",
     "csrc/cuda_load.c",
     "csrc/cuda_copy.c",
+    "csrc/gate.c",
     "csrc/files.c",
 ]
 

@@ -158,5 +158,6 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
 PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
                                    PyObject *kwds);
 PyObject *dcpx_cuda_wait(PyObject *module, PyObject *pending);
+PyObject *dcpx_cuda_stage_wait(PyObject *module, PyObject *pending);
 
 #endif /* DCPX_CUDA_API_H */

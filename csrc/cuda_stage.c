@@ -28,6 +28,7 @@
  * call failed.  Sources stay referenced (their DLPack views held) until
  * their copies have completed. */
 #include "cuda_api.h"
+#include "gate.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -127,23 +128,204 @@ fail:
     return -1;
 }
 
+/* Segmented staging (wait=False): the copies cut, in buffer order, into
+ * segments of at least segment_bytes, each a batch with its own events; a
+ * staging gate that the wait publishes segment by segment.  Owns what the
+ * copies need until they are waited for: the views of the sources and of
+ * the buffer, and the pairs (their keys, for the error). */
+typedef struct {
+    PyObject *module;
+    PyObject *pairs;
+    dcpx_view base;
+    int have_base;
+    dcpx_view *views;
+    Py_ssize_t nviews;
+    dcpx_cuda_run *runs;
+    dcpx_cuda_batch *segs;
+    uint64_t *ready;   /* per segment: the watermark once it completed */
+    Py_ssize_t nseg;
+    dcpx_gate *gate;
+    int waited;
+} stage_job;
+
+#define STAGE_PENDING "dcpx.cuda_pending_stage"
+static const char *const STAGE_SYNC =
+    "cuEventSynchronize (device-to-host copies)";
+
+static int cmp_host(const void *a, const void *b)
+{
+    const dcpx_cuda_run *x = a, *y = b;
+    return x->host < y->host ? -1 : (x->host > y->host);
+}
+
+/* GIL held.  Everything released (the copies were waited for, or never
+ * queued). */
+static void stage_job_release(stage_job *j)
+{
+    for (Py_ssize_t k = 0; k < j->nseg; k++)
+        dcpx_cuda_batch_destroy(&j->segs[k]);
+    for (Py_ssize_t i = 0; i < j->nviews; i++)
+        dcpx_view_release(&j->views[i]);
+    j->nviews = 0;
+    if (j->have_base)
+        dcpx_view_release(&j->base);
+    j->have_base = 0;
+    PyMem_Free(j->views);
+    PyMem_Free(j->runs);
+    PyMem_Free(j->segs);
+    PyMem_Free(j->ready);
+    j->views = NULL;
+    j->runs = NULL;
+    j->segs = NULL;
+    j->ready = NULL;
+    j->nseg = 0;
+    dcpx_gate_decref(j->gate);
+    j->gate = NULL;
+    Py_CLEAR(j->pairs);
+    Py_CLEAR(j->module);
+    j->waited = 1;
+}
+
+/* GIL held.  Wait for the segments in order (GIL released), publishing
+ * each one's watermark on the gate; after a failure drain the rest and
+ * fail the gate.  With `raise`: 0, or -1 with the CudaError set. */
+static int stage_job_finish(stage_job *j, int raise)
+{
+    Py_ssize_t failed = -1;
+    int rc = 0;
+    if (j->waited)
+        return 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t k = 0; k < j->nseg; k++) {
+        dcpx_cuda_batch_wait(&j->segs[k], STAGE_SYNC);
+        if (failed < 0 && j->segs[k].err.rc != CUDA_SUCCESS)
+            failed = k;
+        if (failed < 0)
+            dcpx_gate_publish(j->gate, j->ready[k]);
+    }
+    if (failed >= 0)
+        dcpx_gate_fail(j->gate);
+    else
+        dcpx_gate_publish(j->gate, (uint64_t)j->base.nbytes);
+    Py_END_ALLOW_THREADS
+    if (failed >= 0 && raise) {
+        dcpx_cuda_batch_raise(j->module, &j->segs[failed], j->pairs);
+        rc = -1;
+    }
+    stage_job_release(j);
+    return rc;
+}
+
+static void stage_pending_free(PyObject *cap)
+{
+    stage_job *j = PyCapsule_GetPointer(cap, STAGE_PENDING);
+    if (j == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    stage_job_finish(j, 0);
+    PyMem_Free(j);
+}
+
+/* GIL held.  Takes j (heap, filled but for its segments): cut its runs
+ * (nruns of them, unsorted) into segments, create their events and queue
+ * them all.  Returns (gate, pending), pending owning j; or NULL with an
+ * exception, j freed after draining whatever was queued. */
+static PyObject *stage_job_start(stage_job *j, Py_ssize_t nruns,
+                                 unsigned long long segment_bytes)
+{
+    PyObject *gate = NULL, *pending = NULL, *out = NULL;
+    Py_ssize_t k = 0, start = 0, failed = -1;
+    size_t acc = 0;
+
+    qsort(j->runs, (size_t)nruns, sizeof(*j->runs), cmp_host);
+    j->segs = PyMem_Calloc((size_t)nruns + 1, sizeof(*j->segs));
+    j->ready = PyMem_Calloc((size_t)nruns + 1, sizeof(*j->ready));
+    j->gate = dcpx_gate_new(j->base.data, (uint64_t)j->base.nbytes);
+    if (j->segs == NULL || j->ready == NULL || j->gate == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < nruns; i++) {
+        dcpx_cuda_batch *b;
+        acc += j->runs[i].n;
+        if (acc < segment_bytes && i + 1 < nruns)
+            continue;
+        /* Runs [start, i] are segment k: once they are on the host, every
+         * staged byte below the next segment's first run is final. */
+        b = &j->segs[k];
+        b->err.index = b->err.dev = -1;
+        b->runs = j->runs + start;
+        j->ready[k] = i + 1 < nruns
+                          ? (uint64_t)(j->runs[i + 1].host - j->base.data)
+                          : (uint64_t)j->base.nbytes;
+        b->nruns = dcpx_cuda_runs_sort(b->runs, i + 1 - start, 1);
+        k++;
+        start = i + 1;
+        acc = 0;
+    }
+    j->nseg = k;
+    for (k = 0; k < j->nseg; k++) {
+        const char *call;
+        int dev;
+        CUresult rc = dcpx_cuda_batch_events(j->module, &j->segs[k], &call,
+                                             &dev);
+        if (rc != CUDA_SUCCESS) {
+            dcpx_cuda_raise(j->module, rc, call);
+            goto fail;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (k = 0; k < j->nseg && failed < 0; k++) {
+        dcpx_cuda_batch_queue(&j->segs[k]);
+        if (j->segs[k].err.rc != CUDA_SUCCESS)
+            failed = k;
+    }
+    Py_END_ALLOW_THREADS
+    if (failed >= 0) {
+        /* Raised by the call itself, once what was queued has drained. */
+        stage_job_finish(j, 1);
+        PyMem_Free(j);
+        return NULL;
+    }
+    gate = dcpx_gate_capsule(j->gate);
+    if (gate == NULL)
+        goto fail;
+    pending = PyCapsule_New(j, STAGE_PENDING, stage_pending_free);
+    if (pending == NULL) {
+        Py_DECREF(gate);
+        goto fail;
+    }
+    /* From here the capsule owns j (dropping it waits for the copies). */
+    out = PyTuple_Pack(2, gate, pending);
+    Py_DECREF(gate);
+    Py_DECREF(pending);
+    return out;
+fail:
+    stage_job_finish(j, 0);
+    PyMem_Free(j);
+    return NULL;
+}
+
 PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
                               PyObject *kwds)
 {
-    static char *kwlist[] = {"pairs", "base", "wait_streams", NULL};
+    static char *kwlist[] = {"pairs", "base", "wait_streams", "wait",
+                             "segment_bytes", NULL};
     PyObject *pairs_obj, *base_obj, *waits_obj = NULL;
     PyObject *pairs = NULL, *waits = NULL, *result = NULL;
     dcpx_view base, *views = NULL;
     dcpx_cuda_run *runs = NULL;
     dcpx_cuda_batch b;
-    int have_base = 0;
+    int have_base = 0, wait = 1;
+    unsigned long long segment_bytes = 64ULL << 20;
     Py_ssize_t n = 0, nviews = 0, nruns = 0;
 
     memset(&b, 0, sizeof(b));
     b.err.index = b.err.dev = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O:cuda_copy_into",
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OpK:cuda_copy_into",
                                      kwlist, &pairs_obj, &base_obj,
-                                     &waits_obj))
+                                     &waits_obj, &wait, &segment_bytes))
         return NULL;
     if (dcpx_cuda_load(module) < 0)
         return NULL;
@@ -233,6 +415,29 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
         runs[nruns].index = i;
         nruns++;
     }
+    if (!wait) {
+        /* Segmented: the job takes the views, runs, buffer and pairs. */
+        stage_job *j = PyMem_Calloc(1, sizeof(*j));
+        if (j == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_INCREF(module);
+        j->module = module;
+        j->pairs = pairs;
+        j->base = base;
+        j->have_base = 1;
+        j->views = views;
+        j->nviews = nviews;
+        j->runs = runs;
+        pairs = NULL;
+        have_base = 0;
+        views = NULL;
+        nviews = 0;
+        runs = NULL;
+        result = stage_job_start(j, nruns, segment_bytes);
+        goto done;
+    }
     /* By device, in the caller's order; then coalesce runs adjacent both
      * on the device and in the buffer. */
     b.runs = runs;
@@ -272,4 +477,20 @@ done:
     Py_XDECREF(pairs);
     Py_XDECREF(waits);
     return result;
+}
+
+/* cuda_stage_wait(pending): wait, without the GIL, for the segments of a
+ * cuda_copy_into(..., wait=False) call, publishing each on its gate as it
+ * completes; raise its CudaError (naming call, key and device) if a copy
+ * failed, after draining the rest and failing the gate.  Idempotent. */
+PyObject *dcpx_cuda_stage_wait(PyObject *module, PyObject *cap)
+{
+    stage_job *j;
+    (void)module;
+    j = PyCapsule_GetPointer(cap, STAGE_PENDING);
+    if (j == NULL)
+        return NULL;
+    if (stage_job_finish(j, 1) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }

@@ -629,7 +629,7 @@ def test_the_cuda_sources_compile_with_and_without_the_toolkit(with_toolkit):
              "-I", sysconfig.get_paths()["include"]]
     if with_toolkit:
         flags += ["-DDCPX_HAVE_CUDA_H", "-I", _toolkit_include()]
-    for src in ("cuda.c", "cuda_copy.c", "cuda_stage.c", "cuda_load.c", "module.c"):
+    for src in ("cuda.c", "cuda_copy.c", "cuda_stage.c", "cuda_load.c", "gate.c", "module.c"):
         r = subprocess.run(["cc", *flags, str(REPO / "csrc" / src)], capture_output=True, text=True)
         assert r.returncode == 0, (src, r.stderr)
 
@@ -962,7 +962,7 @@ def test_asynchronous_staging_orders_after_the_callers_stream_not_the_stage_thre
     pairs = [(_TorchLike(t), o, f"w{i}") for i, (t, o) in enumerate(zip(ts, offs))]
     seen = []
 
-    def stage_flat(state_dict, flat, mappings, streams=None):
+    def stage_flat(state_dict, flat, mappings, streams=None, early=None):
         seen.append(streams)
         stager_cuda.DefaultStager._copy_from_devices(pairs, b.base, streams)
         return state_dict
@@ -1183,3 +1183,211 @@ def test_a_copy_error_of_an_earlier_batch_is_named_and_nothing_left_running(
     for key, v in sd.items():
         assert targets[key].read() == _raw(v), key
         targets[key].free()
+
+
+# --------------------------------------------------------------------------
+# saves: writer threads start on each segment of the staging buffer as its
+# device-to-host copies complete (csrc/gate.c, cuda_copy_into(wait=False))
+
+def _wait_for(cond, what: str) -> None:
+    """Block until cond() (a state the code under test must reach; the
+    bound only keeps a broken build from hanging the suite)."""
+    import time
+    deadline = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < deadline, f"never reached: {what}"
+        time.sleep(0.001)
+
+
+def _gated_job(tmp_path, buf, offs, sizes, gate, keys):
+    from dcpx._dtypes import dlpack_export, dlpack_view
+    files = []
+    for k, o, n in zip(keys, offs, sizes):
+        item = (dlpack_export(dlpack_view(buf[o:o + n])), "ByteStorage", gate)
+        files.append((str(tmp_path / f"{k}.bin"), [item]))
+    return _C.WriteJob(files, sync_files=False, threads=1)
+
+
+def test_writers_start_on_each_segment_as_its_copies_complete(lib, tmp_path):
+    """Segments of 8 KiB (two 4 KiB tensors each); the stand-in lets only
+    the first segment's copies run.  The writer writes the first segment's
+    files and waits at the second while the staging is still unfinished;
+    once the copies are released, everything is written bit exact."""
+    ts = [FakeCudaTensor(lib.devices[0], 4096) for _ in range(6)]
+    data = [_rand(4096, 300 + i) for i in range(6)]
+    for t, d in zip(ts, data):
+        t.write(d)
+    # 512-byte gaps in the buffer: never coalesced, even where the allocator
+    # puts the stand-in's tensors next to each other.
+    offs, keys = [4608 * i for i in range(6)], [f"k{i}" for i in range(6)]
+    buf = _buffer(6 * 4608)
+    lib.fake_hold_after(2)
+    gate, pending = _C.cuda_copy_into([(t, o, k) for t, o, k in zip(ts, offs, keys)], buf,
+                                      wait=False, segment_bytes=8192)
+    waiter = threading.Thread(target=_C.cuda_stage_wait, args=(pending,))
+    waiter.start()
+    job = _gated_job(tmp_path, buf, offs, [4096] * 6, gate, keys)
+    job.start()
+    try:
+        _wait_for(lambda: _C.gate_stats(gate)[2] == 1, "the writer waiting at segment 2")
+        assert _C.gate_stats(gate) == (2 * 4608, 0, 1)
+        assert waiter.is_alive() and lib.fake_copies_run() == 2
+        for k, d in zip(keys[:2], data[:2]):
+            assert d in (tmp_path / f"{k}.bin").read_bytes(), k
+        assert not (tmp_path / "k3.bin").exists()
+    finally:
+        lib.fake_hold_copies(0)
+        waiter.join()
+        job.wait()
+    assert _C.gate_stats(gate) == (6 * 4608, 0, 0)
+    for k, d in zip(keys, data):
+        assert d in (tmp_path / f"{k}.bin").read_bytes(), k
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 6
+    _C.cuda_stage_wait(pending)  # idempotent
+    for t in ts:
+        t.free()
+
+
+def test_a_failed_segment_fails_its_writers_and_names_its_keys(lib, tmp_path):
+    ts = [FakeCudaTensor(lib.devices[0], 4096) for _ in range(6)]
+    # 512-byte gaps in the buffer: never coalesced, even where the allocator
+    # puts the stand-in's tensors next to each other.
+    offs, keys = [4608 * i for i in range(6)], [f"k{i}" for i in range(6)]
+    buf = _buffer(6 * 4608)
+    # Segment 2's first copy fails, once segment 1 is published (an
+    # asynchronous error is sticky: a wait after it fails, whichever
+    # copies it covers).
+    lib.fake_hold_after(2)
+    lib.fake_fail_async(3, ILLEGAL_ADDRESS)
+    gate, pending = _C.cuda_copy_into([(t, o, k) for t, o, k in zip(ts, offs, keys)], buf,
+                                      wait=False, segment_bytes=8192)
+    errors = []
+
+    def wait():
+        try:
+            _C.cuda_stage_wait(pending)
+        except _C.CudaError as e:
+            errors.append(e)
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    job = _gated_job(tmp_path, buf, offs, [4096] * 6, gate, keys)
+    job.start()
+    _wait_for(lambda: _C.gate_stats(gate)[0] == 2 * 4608, "segment 1 published")
+    lib.fake_hold_copies(0)
+    waiter.join()
+    assert len(errors) == 1 and errors[0].code == ILLEGAL_ADDRESS
+    assert "on device 0 (tensors 'k2', 'k3') failed: CUDA_ERROR_ILLEGAL_ADDRESS" in str(errors[0])
+    with pytest.raises(OSError, match="wait for the staging copies"):
+        job.wait()
+    assert _C.gate_stats(gate) == (2 * 4608, 1, 0)
+    assert lib.fake_copies_run() == lib.fake_copies_queued()
+    # A dropped pending handle still waits for its copies.
+    lib.fake_reset()
+    lib.fake_set_delay(b"copy", 2_000)
+    gate, pending = _C.cuda_copy_into([(t, o, k) for t, o, k in zip(ts, offs, keys)], buf,
+                                      wait=False, segment_bytes=8192)
+    del pending
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 6
+    assert _C.gate_stats(gate)[:2] == (6 * 4608, 0)
+    for t in ts:
+        t.free()
+
+
+def _overlap_stager(stager_cuda, stager, ts, gates):
+    """The stager's _stage_flat for host-shaped state dicts whose bytes are
+    the stand-in tensors `ts` (torch here has no CUDA): the real layout and
+    the real CUDA staging path, with the gate it hands the upload kept."""
+    def stage_flat(state_dict, flat, mappings, streams=None, early=None):
+        with stager._lock:
+            if stager._layout is None:
+                stager._layout = stager_cuda._Layout(state_dict, flat, mappings, False, True)
+            layout = stager._layout
+            pairs = [(_TorchLike(ts[int(k[1:])]), layout.offsets[k], k) for k in flat]
+            tell = stager_cuda._set_queued(early, layout.state_dict, pairs)
+
+            def on_queued(gate):
+                gates.append(gate)
+                tell(gate)
+            stager_cuda.DefaultStager._copy_from_devices(pairs, layout.buffer.base, streams,
+                                                         on_queued)
+            return layout.state_dict
+    return stage_flat
+
+
+def test_async_save_writes_while_the_later_segments_still_copy(stager_cuda, lib, tmp_path,
+                                                                monkeypatch):
+    """async_save with asynchronous staging of CUDA tensors: the upload's
+    writers start on the first segment while the second is held back, so
+    neither staging_completion nor the upload is done; released, the
+    checkpoint loads bit exact.  Twice, reusing the stager's buffer."""
+    import dcpx
+    monkeypatch.setattr(stager_cuda, "_SEGMENT", 8000)  # two tensors a segment
+    # 4000 bytes: the layout's 64-byte alignment leaves gaps, so no copies
+    # are coalesced even where the stand-in's tensors are adjacent.
+    ts = [FakeCudaTensor(lib.devices[0], 4000) for _ in range(6)]
+    sd = {f"w{i}": torch.zeros(4000, dtype=torch.uint8) for i in range(6)}
+    gates: list = []
+    with dcpx.DefaultStager(dcpx.StagingOptions(True, False, True, True)) as stager:
+        stager._cuda = True
+        monkeypatch.setattr(stager, "_stage_flat", _overlap_stager(stager_cuda, stager, ts, gates))
+        for rnd in range(2):
+            data = [_rand(4000, 400 + 10 * rnd + i) for i in range(6)]
+            for t, d in zip(ts, data):
+                t.write(d)
+            path = tmp_path / f"ckpt{rnd}"
+            lib.fake_hold_after(2)
+            resp = dcpx.async_save(sd, checkpoint_id=str(path), async_stager=stager)
+            try:
+                _wait_for(lambda: len(gates) > rnd and _C.gate_stats(gates[rnd])[2] >= 1,
+                          "a writer waiting at segment 2")
+                assert _C.gate_stats(gates[rnd])[:2] == (2 * 4032, 0)
+                assert not resp.staging_completion.done()
+                assert not resp.upload_completion.done()
+            finally:
+                lib.fake_hold_copies(0)
+            resp.upload_completion.result(timeout=60)
+            assert resp.staging_completion.done()
+            out = {k: torch.zeros_like(v) for k, v in sd.items()}
+            dcpx.load(out, checkpoint_id=str(path))
+            for i in range(6):
+                assert out[f"w{i}"].numpy().tobytes() == data[i], i
+    assert lib.fake_violations() == 0
+    for t in ts:
+        t.free()
+
+
+def test_async_save_with_a_failed_copy_commits_nothing_and_names_the_key(stager_cuda, lib,
+                                                                         tmp_path, monkeypatch):
+    import dcpx
+    monkeypatch.setattr(stager_cuda, "_SEGMENT", 8000)  # two tensors a segment
+    # 4000 bytes: the layout's 64-byte alignment leaves gaps, so no copies
+    # are coalesced even where the stand-in's tensors are adjacent.
+    ts = [FakeCudaTensor(lib.devices[0], 4000) for _ in range(6)]
+    data = [_rand(4000, 500 + i) for i in range(6)]
+    for t, d in zip(ts, data):
+        t.write(d)
+    sd = {f"w{i}": torch.zeros(4000, dtype=torch.uint8) for i in range(6)}
+    gates: list = []
+    with dcpx.DefaultStager(dcpx.StagingOptions(True, False, True, True)) as stager:
+        stager._cuda = True
+        monkeypatch.setattr(stager, "_stage_flat", _overlap_stager(stager_cuda, stager, ts, gates))
+        lib.fake_hold_after(2)
+        lib.fake_fail_async(3, ILLEGAL_ADDRESS)  # once segment 1 is published
+        resp = dcpx.async_save(sd, checkpoint_id=str(tmp_path / "bad"), async_stager=stager)
+        _wait_for(lambda: gates and _C.gate_stats(gates[0])[0] == 2 * 4032, "segment 1 published")
+        lib.fake_hold_copies(0)
+        with pytest.raises(Exception, match=r"\(tensors 'w2', 'w3'\) failed: "
+                                            r"CUDA_ERROR_ILLEGAL_ADDRESS"):
+            resp.upload_completion.result(timeout=60)
+        assert isinstance(resp.staging_completion.exception(), _C.CudaError)
+        assert not (tmp_path / "bad" / ".metadata").exists()
+        assert not list((tmp_path / "bad").glob("*.distcp"))
+        assert lib.fake_copies_run() == lib.fake_copies_queued()
+        lib.fake_reset()
+        resp = dcpx.async_save(sd, checkpoint_id=str(tmp_path / "good"), async_stager=stager)
+        resp.upload_completion.result(timeout=60)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcpx.load(out, checkpoint_id=str(tmp_path / "good"))
+    assert all(out[f"w{i}"].numpy().tobytes() == data[i] for i in range(6))
+    for t in ts:
+        t.free()

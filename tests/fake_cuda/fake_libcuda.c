@@ -29,7 +29,8 @@
  * fake_set_delay("copy"|"fill", us) slows copies or kernels, and
  * fake_set_delay("copy_jitter", us) each copy by a random 0..us more;
  * fake_hold_copies(1) keeps every copy from starting until
- * fake_hold_copies(0), so a test can act while a copy is known pending.
+ * fake_hold_copies(0), so a test can act while a copy is known pending;
+ * fake_hold_after(n) lets n more copies start first.
  * Environment: FAKE_CUDA_DEVICES (2), FAKE_CUDA_DRIVER_VERSION (12080). */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -117,6 +118,7 @@ static long g_copy_delay_us, g_fill_delay_us;
 static long g_copy_jitter_us; /* each copy: up to this much more, at random */
 static unsigned g_jitter_seed = 1;
 static int g_hold; /* copies wait while set (fake_hold_copies) */
+static long g_pass; /* ... except this many more (fake_hold_after) */
 static long g_violations, g_copies_run, g_copies_queued;
 static alloc_t g_alloc[256];
 static int g_nalloc;
@@ -207,8 +209,13 @@ static void *stream_main(void *arg)
             break;
         op_t *o = s->head;
         if ((o->kind == OP_COPY || o->kind == OP_HTOD) && g_hold) {
-            pthread_cond_wait(&cv, &mu);
-            continue;
+            if (g_pass > 0) {
+                g_pass--;
+            }
+            else {
+                pthread_cond_wait(&cv, &mu);
+                continue;
+            }
         }
         s->busy = 1;
         switch (o->kind) {
@@ -755,10 +762,20 @@ void fake_set_delay(const char *what, long us)
     pthread_mutex_unlock(&mu);
 }
 
+void fake_hold_after(long n)
+{
+    pthread_mutex_lock(&mu);
+    g_hold = 1;
+    g_pass = n;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
+
 void fake_hold_copies(int on)
 {
     pthread_mutex_lock(&mu);
     g_hold = on;
+    g_pass = 0;
     pthread_cond_broadcast(&cv);
     pthread_mutex_unlock(&mu);
 }
