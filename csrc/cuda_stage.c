@@ -3,10 +3,12 @@
  * stream per device, ordered after the producer's pending work, waited on
  * with the GIL released.
  *
- *   cuda_copy_into(pairs, base, wait_streams=())
+ *   cuda_copy_into(pairs, base, wait_streams=(), wait=True,
+ *                  segment_bytes=64 MiB)
  *     pairs:        [(src, byte_offset[, name]), ...]
  *     base:         the contiguous host staging buffer (a CPU tensor)
  *     wait_streams: [(device_id, stream_handle), ...]
+ *     wait:         False: segmented (below); returns (gate, pending)
  *
  * The handshake that keeps the copies from reading bytes a pending kernel
  * is still writing, in either of the two forms DLPack allows:
@@ -26,7 +28,15 @@
  * for before the exception is raised, so nothing writes into the buffer
  * after the call has returned, and the caller sees which tensor and which
  * call failed.  Sources stay referenced (their DLPack views held) until
- * their copies have completed. */
+ * their copies have completed.
+ *
+ * Segmented (wait=False): the runs, in buffer order, are cut into segments
+ * of at least segment_bytes, each with its own events, all queued before
+ * the call returns (gate, pending).  cuda_stage_wait(pending) waits for the
+ * segments in order without the GIL and publishes each on the staging gate
+ * (csrc/gate.c), which the upload's writer threads wait on before reading
+ * a staged tensor's bytes; a failure fails the gate after the rest has
+ * drained.  The views (sources and buffer) are held until that wait. */
 #include "cuda_api.h"
 #include "gate.h"
 
