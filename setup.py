@@ -31,6 +31,8 @@ SOURCES = [
     "csrc/cuda.c",
     "csrc/cuda_stage.c",
     "csrc/cuda_load.c",
+    "csrc/cuda_copy.c",
+    "csrc/gate.c",
     "csrc/files.c",
     "csrc/flatten.c",
 ]

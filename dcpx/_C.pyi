@@ -25,7 +25,7 @@ def dump_metadata(metadata: Any, kinds: dict, protocol: int, /) -> bytes | None:
 def prefault(tensor: Any, threads: int = 1) -> None: ...
 def copy_into(pairs: Sequence[Tuple[Any, Any]], threads: int = 1, base: Any = None) -> None: ...
 
-# The CUDA path (csrc/cuda.c, csrc/cuda_stage.c, csrc/cuda_load.c; docs/design.md, "CUDA path").
+# The CUDA path (csrc/cuda.c, csrc/cuda_copy.c, csrc/cuda_stage.c, csrc/cuda_load.c, csrc/gate.c; docs/design.md, "CUDA path").
 class CudaError(RuntimeError):
     code: int
 
@@ -37,16 +37,23 @@ def cuda_copy_into(
     pairs: Sequence[Tuple[Any, ...]],
     base: Any,
     wait_streams: Sequence[Tuple[int, int]] = (),
-) -> None: ...
+    wait: bool = True,
+    segment_bytes: int = 64 << 20,
+) -> Any: ...  # None, or with wait=False (gate, pending) for cuda_stage_wait
+def cuda_stage_wait(pending: Any, /) -> None: ...
+def gate_stats(gate: Any, /) -> Tuple[int, int, int]: ...
 def cuda_copy_from_host(
     pairs: Sequence[Tuple[Any, Any, str]],
     consumer_streams: Sequence[Tuple[int, int]] = (),
-) -> None: ...
+    wait: bool = True,
+) -> Any: ...  # None, or with wait=False a handle for cuda_wait
+def cuda_wait(pending: Any, /) -> None: ...
 
 class WriteJob:
     def __init__(
         self,
-        files: Sequence[Tuple[str, Sequence[Union[bytes, Tuple[Any, str]]]]],
+        # an item: bytes, (tensor, storage_type) or (tensor, storage_type, staging gate)
+        files: Sequence[Tuple[str, Sequence[Union[bytes, Tuple[Any, ...]]]]],
         sync_files: bool = True,
         threads: int = 1,
         serial: int = 0,

@@ -177,10 +177,11 @@ def fast_path_eligible(storage_writer, planner, no_dist: bool) -> bool:
 
 @checkpoint_errors()  # a failure is a torch CheckpointException (dcpx.errors)
 def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
-               prepare=tensor_payload) -> Metadata:
+               prepare=tensor_payload, before_commit=None) -> Metadata:
     """Plan, write and commit a flat single-process state dict.  The metadata
     is encoded while the C threads write; the GIL is released while they
-    finish."""
+    finish.  ``before_commit()``, if given, runs once the data files are
+    written; if it raises, they are removed and nothing is committed."""
     try:
         with paused_gc():
             metadata, pending = plan_local_save(writer, flat, mappings, prepare)
@@ -191,6 +192,12 @@ def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
                 pending.abort()
                 raise
         pending.wait()
+        if before_commit is not None:
+            try:
+                before_commit()
+            except BaseException:
+                pending.discard()
+                raise
         writer.commit(metadata, data)
     finally:
         writer._release_tag()  # a failed save's lock (commit releases its own)

@@ -104,6 +104,14 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
     if isinstance(process_group, _dist.AsyncTicket):
         with process_group.turn() as pg:
             return _upload(staged, stager, writer, planner, pg, no_dist, use_collectives)
+    if (isinstance(staged, Future) and isinstance(stager, DefaultStager)
+            and not _dist_in_use(no_dist) and fast_path_eligible(writer, planner, no_dist)):
+        early = stager.early_for(staged)
+        queued = early.result() if early is not None else None
+        if queued is not None:
+            done = _upload_during_staging(staged, queued, stager, writer)
+            if done is not None:
+                return done
     if isinstance(staged, Future):
         try:
             staged = staged.result()
@@ -133,6 +141,31 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
                     process_group=process_group, no_dist=no_dist,
                     use_collectives=use_collectives)
     return save_local(writer, *fast, prepare=staged_payload)
+
+
+def _upload_during_staging(staging: Future, queued: tuple, stager: DefaultStager, writer):
+    """The fast-path upload of a state dict whose CUDA copies are still
+    running: each writer thread reads a CUDA-staged tensor only once the
+    staging gate says its segment is on the host (csrc/gate.c), so writing
+    overlaps the copies.  Commits only after the whole staging succeeded;
+    a failed copy fails the gate, the writes and the save, with the
+    staging's error.  None if the stager no longer holds that state dict."""
+    staged, gate, keys = queued
+    fast = stager.flat_of(staged)
+    if fast is None:
+        return None
+
+    def prepare(t: torch.Tensor, key: str) -> tuple:
+        payload = staged_payload(t, key)
+        return (*payload, gate) if key in keys else payload
+
+    try:
+        return save_local(writer, *fast, prepare=prepare, before_commit=staging.result)
+    except BaseException as e:
+        err = staging.exception()  # waits: a failed gate means a failed staging
+        if err is None:
+            raise
+        raise staging_error(err, writer) from (None if err is e else e)
 
 
 def async_save(

@@ -16,7 +16,10 @@ and its ``StagingOptions``.  What is dcpx's own:
   (``dcpx._C.cuda_copy_into``, csrc/cuda_stage.c: the driver API on dcpx's
   own stream per device, ordered after the producer's current stream,
   completion waited for on events without the GIL; docs/design.md, "CUDA
-  path").
+  path").  With asynchronous staging the copies complete segment by
+  segment, and the upload's writer threads start on each segment as soon
+  as it is on the host (``early_for``; "Copy/write overlap in
+  async_save").
 * **One upload per buffer.**  A stager's buffer is leased to the upload of
   the checkpoint staged into it; the next ``stage()`` first waits for that
   upload to finish (docs/design.md, "In-flight policy").
@@ -58,6 +61,10 @@ __all__ = ["StagingOptions", "DefaultStager", "release_staging_buffers"]
 
 _PAGE = mmap.PAGESIZE
 _ALIGN = 64
+#: asynchronous staging of CUDA tensors: the staging buffer's copies are
+#: waited for in segments of at least this many bytes, and the upload's
+#: writer threads start on each segment as it completes
+_SEGMENT = 64 << 20
 
 
 @dataclass
@@ -243,6 +250,10 @@ class DefaultStager:
         self._layout: Optional[_Layout] = None
         self._staging_future: Optional[Future] = None
         self._lease: Optional[Future] = None  # the upload reading our buffer
+        # (staging future, Future of (staged, gate, gated keys) or None): set
+        # once asynchronous staging has queued its CUDA copies, so that the
+        # upload can start writing while they run (early_for)
+        self._early: Optional[tuple] = None
         self._lock = threading.Lock()
         self._closed = False
         _stagers.add(self)
@@ -258,7 +269,10 @@ class DefaultStager:
             # The dcpx-stage thread's current stream is not the caller's:
             # the copies are ordered after the caller's, taken here.
             streams = self._caller_streams() if self._cuda else None
-            self._staging_future = self._executor.submit(self._stage, state_dict, streams)
+            early: Optional[Future] = Future() if self._cuda else None
+            self._staging_future = self._executor.submit(self._stage, state_dict, streams,
+                                                         early)
+            self._early = (self._staging_future, early) if early is not None else None
             return self._staging_future
         return self._stage(state_dict)
 
@@ -293,6 +307,7 @@ class DefaultStager:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dcpx-stage")
         self._staging_future = None
         self._lease = None
+        self._early = None
         layout, self._layout = self._layout, None
         if layout is not None:
             layout.buffer.pinned = False  # a registration of the parent's CUDA context
@@ -335,6 +350,16 @@ class DefaultStager:
             return layout
         return None
 
+    def early_for(self, staging: Future) -> Optional[Future]:
+        """For the staging future this stager's last ``stage()`` returned: a
+        Future set as soon as its CUDA copies are queued, to ``(staged,
+        gate, keys)`` (the staged state dict, the C staging gate the copies
+        publish, the keys staged from CUDA), or to None when the upload must
+        wait for the whole staging (no CUDA copies, another accelerator's,
+        or a failure before the copies).  None for any other future."""
+        early = self._early
+        return early[1] if early is not None and early[0] is staging else None
+
     def flat_of(self, staged: dict) -> Optional[tuple]:
         """(flat, mappings) of a state dict this stager returned, so the
         upload need not flatten it again."""
@@ -355,12 +380,18 @@ class DefaultStager:
         dev = torch.cuda.current_device()
         return {dev: torch.cuda.current_stream(torch.device("cuda", dev)).cuda_stream}
 
-    def _stage(self, state_dict: dict, streams: Optional[dict] = None) -> dict:
-        with paused_gc():
-            return self._stage_flat(state_dict, *flatten_state_dict(state_dict), streams=streams)
+    def _stage(self, state_dict: dict, streams: Optional[dict] = None,
+               early: Optional[Future] = None) -> dict:
+        try:
+            with paused_gc():
+                return self._stage_flat(state_dict, *flatten_state_dict(state_dict),
+                                        streams=streams, early=early)
+        finally:
+            if early is not None and not early.done():
+                early.set_result(None)  # the upload waits for the whole staging
 
     def _stage_flat(self, state_dict: dict, flat: dict, mappings: dict,
-                    streams: Optional[dict] = None) -> dict:
+                    streams: Optional[dict] = None, early: Optional[Future] = None) -> dict:
         for k, v in flat.items():
             if isinstance(v, torch.Tensor):
                 check_saveable(_local(v), k)  # the errors dcpx.save gives, naming the key
@@ -391,7 +422,11 @@ class DefaultStager:
                     other_pairs.append((v.detach(), dst))
             _C.copy_into(host_pairs, threads=_copy_threads(), base=layout.buffer.base)
             if cuda_pairs:
-                self._copy_from_devices(cuda_pairs, layout.buffer.base, streams)
+                # The upload may start once the copies are queued (no other
+                # accelerator's copy_ follows them).
+                on_queued = (_set_queued(early, layout.state_dict, cuda_pairs)
+                             if early is not None and not other_pairs else None)
+                self._copy_from_devices(cuda_pairs, layout.buffer.base, streams, on_queued)
             for src, dst in other_pairs:
                 dst.detach().copy_(src)
             self.stage_count += 1
@@ -399,7 +434,7 @@ class DefaultStager:
 
     @staticmethod
     def _copy_from_devices(pairs: list, base: torch.Tensor,
-                           streams: Optional[dict] = None) -> None:
+                           streams: Optional[dict] = None, on_queued=None) -> None:
         """Device-to-host copies by the C CUDA path (csrc/cuda_stage.c):
         on dcpx's own stream per device, ordered after the work queued so
         far on each device's current stream, or the stream ``streams``
@@ -407,7 +442,13 @@ class DefaultStager:
         thread) (an event recorded there),
         returning once every byte is in ``base``.  pairs: [(tensor,
         byte_offset, key)].  A non-contiguous tensor is made contiguous on
-        its device first (on the current stream, so the event covers it)."""
+        its device first (on the current stream, so the event covers it).
+
+        With ``on_queued``, the copies are waited for segment by segment
+        (``_SEGMENT`` bytes): ``on_queued(gate)`` is called once they are
+        all queued, with the C staging gate on which each segment is
+        published as it completes (writer items gated on it wait for their
+        bytes); this still returns only after the last copy."""
         items = []
         for v, off, key in pairs:
             v = dlpack_view(v.detach())
@@ -417,7 +458,22 @@ class DefaultStager:
         waits = [(dev.index, streams[dev.index] if streams and dev.index in streams
                   else torch.cuda.current_stream(dev).cuda_stream)
                  for dev in {v.device for v, _, _ in pairs}]
-        _C.cuda_copy_into(items, base, wait_streams=waits)
+        if on_queued is None:
+            _C.cuda_copy_into(items, base, wait_streams=waits)
+            return
+        gate, pending = _C.cuda_copy_into(items, base, wait_streams=waits, wait=False,
+                                          segment_bytes=_SEGMENT)
+        try:
+            on_queued(gate)
+        finally:
+            _C.cuda_stage_wait(pending)  # publishes the segments; raises a copy's error
+
+
+def _set_queued(early: Future, staged: dict, cuda_pairs: list):
+    """The callback that tells the upload (``DefaultStager.early_for``) the
+    CUDA copies of ``staged`` are queued, with their gate."""
+    keys = frozenset(k for _, _, k in cuda_pairs)
+    return lambda gate: early.set_result((staged, gate, keys))
 
 
 # Every live stager, for the fork handler: a forked child resets them.

@@ -46,6 +46,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.fake_fail.argtypes = [ctypes.c_char_p, c_long, c_int]
     lib.fake_fail_async.argtypes = [c_long, c_int]
     lib.fake_set_delay.argtypes = [ctypes.c_char_p, c_long]
+    lib.fake_hold_copies.argtypes = [c_int]
+    lib.fake_hold_after.argtypes = [c_long]
     lib.fake_calls.argtypes = [ctypes.c_char_p]
     for name in ("fake_calls", "fake_total_calls", "fake_violations", "fake_copies_queued",
                  "fake_copies_run", "fake_dlpack_live"):

@@ -26,7 +26,11 @@
  * Injection: fake_fail(name, nth, code) makes the nth next call of an entry
  * point return code; fake_fail_async(nth, code) makes the nth next copy
  * fail when it runs (a sticky error, reported by the synchronising calls);
- * fake_set_delay("copy"|"fill", us) slows copies or kernels.
+ * fake_set_delay("copy"|"fill", us) slows copies or kernels, and
+ * fake_set_delay("copy_jitter", us) each copy by a random 0..us more;
+ * fake_hold_copies(1) keeps every copy from starting until
+ * fake_hold_copies(0), so a test can act while a copy is known pending;
+ * fake_hold_after(n) lets n more copies start first.
  * Environment: FAKE_CUDA_DEVICES (2), FAKE_CUDA_DRIVER_VERSION (12080). */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -111,6 +115,10 @@ static __thread ctx_t *t_cur;
 static int g_init_pid;
 static int g_async_err;
 static long g_copy_delay_us, g_fill_delay_us;
+static long g_copy_jitter_us; /* each copy: up to this much more, at random */
+static unsigned g_jitter_seed = 1;
+static int g_hold; /* copies wait while set (fake_hold_copies) */
+static long g_pass; /* ... except this many more (fake_hold_after) */
 static long g_violations, g_copies_run, g_copies_queued;
 static alloc_t g_alloc[256];
 static int g_nalloc;
@@ -192,6 +200,7 @@ static int find_alloc(const void *p, size_t n) /* mu held */
 static void *stream_main(void *arg)
 {
     stream_t *s = arg;
+    long delay;
     pthread_mutex_lock(&mu);
     for (;;) {
         while (s->head == NULL && !s->stop)
@@ -199,14 +208,27 @@ static void *stream_main(void *arg)
         if (s->head == NULL)
             break;
         op_t *o = s->head;
+        if ((o->kind == OP_COPY || o->kind == OP_HTOD) && g_hold) {
+            if (g_pass > 0) {
+                g_pass--;
+            }
+            else {
+                pthread_cond_wait(&cv, &mu);
+                continue;
+            }
+        }
         s->busy = 1;
         switch (o->kind) {
         case OP_COPY: {
             int a = find_alloc(o->src, o->n);
             if (a >= 0 && g_alloc[a].pending_fills > 0)
                 g_violations++;
+            delay = g_copy_delay_us +
+                    (g_copy_jitter_us > 0
+                         ? (long)(rand_r(&g_jitter_seed) % g_copy_jitter_us)
+                         : 0);
             pthread_mutex_unlock(&mu);
-            sleep_us(g_copy_delay_us);
+            sleep_us(delay);
             if (!o->fail)
                 memcpy(o->dst, o->src, o->n);
             pthread_mutex_lock(&mu);
@@ -221,8 +243,12 @@ static void *stream_main(void *arg)
              * ordered after that kernel. */
             if (g_alloc[o->region].use_done < o->before)
                 g_violations++;
+            delay = g_copy_delay_us +
+                    (g_copy_jitter_us > 0
+                         ? (long)(rand_r(&g_jitter_seed) % g_copy_jitter_us)
+                         : 0);
             pthread_mutex_unlock(&mu);
-            sleep_us(g_copy_delay_us);
+            sleep_us(delay);
             if (!o->fail)
                 memcpy(o->dst, o->src, o->n);
             pthread_mutex_lock(&mu);
@@ -698,7 +724,9 @@ void fake_reset(void)
     }
     g_async_err = 0;
     g_async_fail_at = 0;
-    g_copy_delay_us = g_fill_delay_us = 0;
+    g_copy_delay_us = g_fill_delay_us = g_copy_jitter_us = 0;
+    g_hold = 0;
+    pthread_cond_broadcast(&cv);
     g_violations = g_copies_run = g_copies_queued = 0;
     pthread_mutex_unlock(&mu);
 }
@@ -727,8 +755,28 @@ void fake_set_delay(const char *what, long us)
     pthread_mutex_lock(&mu);
     if (strcmp(what, "copy") == 0)
         g_copy_delay_us = us;
+    else if (strcmp(what, "copy_jitter") == 0)
+        g_copy_jitter_us = us;
     else
         g_fill_delay_us = us;
+    pthread_mutex_unlock(&mu);
+}
+
+void fake_hold_after(long n)
+{
+    pthread_mutex_lock(&mu);
+    g_hold = 1;
+    g_pass = n;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
+
+void fake_hold_copies(int on)
+{
+    pthread_mutex_lock(&mu);
+    g_hold = on;
+    g_pass = 0;
+    pthread_cond_broadcast(&cv);
     pthread_mutex_unlock(&mu);
 }
 
