@@ -79,13 +79,15 @@ void dcpx_cuda_note(dcpx_cuda_err *e, CUresult rc, const char *call,
                     Py_ssize_t index, int dev);
 
 /* One asynchronous copy: n bytes between host memory and device memory of
- * device `dev`, for pair `index` of the caller's list. */
+ * device `dev`, for pair `index` of the caller's list.  `alloc`: the
+ * caller's key for the device allocation dptr lies in (0: unknown). */
 typedef struct {
     int dev;
     CUdeviceptr dptr;
     char *host;
     size_t n;
     Py_ssize_t index;
+    unsigned long long alloc;
 } dcpx_cuda_run;
 
 /* A stream that waits for a device's copies once they are queued (the
@@ -115,8 +117,11 @@ typedef struct {
 } dcpx_cuda_batch;
 
 /* Sort runs by device, keeping the caller's order within a device; with
- * `coalesce`, merge runs adjacent both on the device and on the host.
- * Returns the new number of runs. */
+ * `coalesce`, merge runs adjacent both on the device and on the host whose
+ * sources are known to lie in one device allocation (the same non-zero
+ * `alloc` key): a copy spanning two allocations that happen to be adjacent
+ * in the address space is not one the driver guarantees.  Returns the new
+ * number of runs. */
 Py_ssize_t dcpx_cuda_runs_sort(dcpx_cuda_run *runs, Py_ssize_t n,
                                int coalesce);
 /* GIL held.  Create the event of every device that has a run (context

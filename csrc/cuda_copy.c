@@ -43,6 +43,7 @@ Py_ssize_t dcpx_cuda_runs_sort(dcpx_cuda_run *runs, Py_ssize_t n,
         return n;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (m > 0 && runs[m - 1].dev == runs[i].dev &&
+            runs[i].alloc != 0 && runs[m - 1].alloc == runs[i].alloc &&
             runs[m - 1].dptr + runs[m - 1].n == runs[i].dptr &&
             runs[m - 1].host + runs[m - 1].n == runs[i].host)
             runs[m - 1].n += runs[i].n;
@@ -160,7 +161,8 @@ void dcpx_cuda_batch_raise(PyObject *module, const dcpx_cuda_batch *b,
         PyObject *item = PySequence_Fast_GET_ITEM(pairs, err->index);
         PyObject *name = NULL;
         const char *s = NULL;
-        if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) > 2)
+        if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) > 2 &&
+            PyTuple_GET_ITEM(item, 2) != Py_None)
             name = PyObject_Str(PyTuple_GET_ITEM(item, 2));
         if (name != NULL && PyUnicode_Check(name))
             s = PyUnicode_AsUTF8(name);
@@ -188,7 +190,8 @@ void dcpx_cuda_batch_raise(PyObject *module, const dcpx_cuda_batch *b,
             item = PySequence_Fast_GET_ITEM(pairs, b->runs[i].index);
             if (named == 4 || len < 0 || (size_t)len >= sizeof(what) - 64)
                 continue;
-            if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) > 2)
+            if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) > 2 &&
+                PyTuple_GET_ITEM(item, 2) != Py_None)
                 name = PyObject_Str(PyTuple_GET_ITEM(item, 2));
             if (name != NULL && PyUnicode_Check(name))
                 s = PyUnicode_AsUTF8(name);

@@ -5,7 +5,8 @@
  *
  *   cuda_copy_into(pairs, base, wait_streams=(), wait=True,
  *                  segment_bytes=64 MiB)
- *     pairs:        [(src, byte_offset[, name]), ...]
+ *     pairs:        [(src, byte_offset[, name[, alloc_key]]), ...]
+ *                   (name None: none; alloc_key: below)
  *     base:         the contiguous host staging buffer (a CPU tensor)
  *     wait_streams: [(device_id, stream_handle), ...]
  *     wait:         False: segmented (below); returns (gate, pending)
@@ -22,8 +23,14 @@
  *
  * Then, without the GIL: per device, make the primary context current, one
  * cuMemcpyDtoHAsync per run of adjacent tensors (adjacent on the device
- * and in the buffer: one copy), one event recorded after the device's last
- * copy, and cuEventSynchronize on each device's event.  Returns once every
+ * and in the buffer, and with the same non-zero alloc_key: one copy), one
+ * event recorded after the device's last copy, and cuEventSynchronize on
+ * each device's event.  alloc_key names the device allocation the source
+ * lies in (for torch, its storage's data_ptr(): one storage is one block
+ * of the caching allocator); tensors adjacent in the address space may
+ * still be two allocations (two cudaMalloc segments back to back), and a
+ * copy spanning both is not one the driver guarantees, so without a key
+ * (absent, None or 0) a pair is copied on its own.  Returns once every
  * byte is in `base`.  On any error the copies already queued are waited
  * for before the exception is raised, so nothing writes into the buffer
  * after the call has returned, and the caller sees which tensor and which
@@ -377,12 +384,31 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(pairs, i), *src, *off;
-        PyObject *name = NULL, *cap;
-        unsigned long long o;
+        PyObject *name = NULL, *key = NULL, *cap;
+        unsigned long long o, alloc = 0;
         dcpx_view *v = &views[i];
-        if (!PyArg_ParseTuple(item, "OO|O;dcpx: pairs hold (src, "
-                              "byte_offset[, name])", &src, &off, &name))
+        if (!PyArg_ParseTuple(item, "OO|OO;dcpx: pairs hold (src, "
+                              "byte_offset[, name[, alloc_key]])", &src,
+                              &off, &name, &key))
             goto done;
+        if (name == Py_None)
+            name = NULL;
+        if (key != NULL && key != Py_None) {
+            alloc = PyLong_Check(key) ? PyLong_AsUnsignedLongLong(key)
+                                      : (unsigned long long)-1;
+            if (alloc == (unsigned long long)-1) {
+                PyErr_Clear();
+                if (name != NULL)
+                    PyErr_Format(PyExc_ValueError, "dcpx: tensor %R: "
+                                 "alloc_key must be an int in [0, 2**64 - 1)"
+                                 " or None, got %R", name, key);
+                else
+                    PyErr_Format(PyExc_ValueError, "dcpx: tensor #%zd: "
+                                 "alloc_key must be an int in [0, 2**64 - 1)"
+                                 " or None, got %R", i, key);
+                goto done;
+            }
+        }
         cap = export_cuda(module, src);
         if (cap == NULL)
             goto done;
@@ -423,6 +449,7 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
         runs[nruns].host = base.data + o;
         runs[nruns].n = (size_t)v->nbytes;
         runs[nruns].index = i;
+        runs[nruns].alloc = alloc;
         nruns++;
     }
     if (!wait) {
@@ -449,7 +476,7 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
         goto done;
     }
     /* By device, in the caller's order; then coalesce runs adjacent both
-     * on the device and in the buffer. */
+     * on the device and in the buffer, of one allocation. */
     b.runs = runs;
     b.nruns = dcpx_cuda_runs_sort(runs, nruns, 1);
     /* One event per device in use, created here (they need the device's

@@ -443,6 +443,10 @@ class DefaultStager:
         returning once every byte is in ``base``.  pairs: [(tensor,
         byte_offset, key)].  A non-contiguous tensor is made contiguous on
         its device first (on the current stream, so the event covers it).
+        Each pair carries its storage's address as the allocation key: the
+        C path merges copies of adjacent tensors only within one storage
+        (one block of torch's caching allocator, so one device
+        allocation), never across two allocations that merely touch.
 
         With ``on_queued``, the copies are waited for segment by segment
         (``_SEGMENT`` bytes): ``on_queued(gate)`` is called once they are
@@ -454,7 +458,8 @@ class DefaultStager:
             v = dlpack_view(v.detach())
             if not v.is_contiguous():
                 v = v.contiguous()
-            items.append((_TO_DLPACK(v) if _TO_DLPACK is not None else v, off, key))
+            alloc = v.untyped_storage().data_ptr()
+            items.append((_TO_DLPACK(v) if _TO_DLPACK is not None else v, off, key, alloc))
         waits = [(dev.index, streams[dev.index] if streams and dev.index in streams
                   else torch.cuda.current_stream(dev).cuda_stream)
                  for dev in {v.device for v, _, _ in pairs}]

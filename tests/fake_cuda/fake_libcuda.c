@@ -4,7 +4,8 @@
  * over host memory, with the semantics dcpx relies on:
  *
  *  - "device memory" is host memory handed out by fake_device_alloc, tagged
- *    with its device; a copy from anywhere else fails like a bad pointer;
+ *    with its device; a copy from anywhere else, or spanning two
+ *    allocations, fails like a bad pointer;
  *  - a stream is a worker thread running its queue in order: copies,
  *    event records, waits on events, and "kernels" (fake_launch_fill)
  *    that write device memory after a delay;
@@ -31,6 +32,8 @@
  * fake_hold_copies(1) keeps every copy from starting until
  * fake_hold_copies(0), so a test can act while a copy is known pending;
  * fake_hold_after(n) lets n more copies start first.
+ * fake_device_alloc_adjacent carves allocations back to back out of one
+ * block, so a test can place two allocations next to each other.
  * Environment: FAKE_CUDA_DEVICES (2), FAKE_CUDA_DRIVER_VERSION (12080). */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -98,6 +101,7 @@ typedef struct CUstream_st {
 typedef struct {
     char *p;
     size_t n;
+    void *block; /* what to free once no allocation uses it */
     int dev;
     int pending_fills;
     /* Launched and finished host-to-device copies into it, and kernels
@@ -820,27 +824,43 @@ int fake_registered(void)
 
 int fake_retained(int dev) { return g_ctx[dev].retained; }
 
+/* `count` allocations of device `dev`, of sizes[i] bytes each, carved back
+ * to back out of one block: out[i + 1] == out[i] + sizes[i] (like two
+ * cudaMalloc segments the driver happened to place next to each other).
+ * Each is an allocation of its own: a copy spanning two fails.  0, or -1. */
+int fake_device_alloc_adjacent(int dev, int count, const size_t *sizes,
+                               void **out)
+{
+    size_t total = 0;
+    char *p = NULL;
+    for (int i = 0; i < count; i++)
+        total += sizes[i];
+    if (count < 1 || posix_memalign((void **)&p, 256, total ? total : 1))
+        return -1;
+    memset(p, 0, total);
+    pthread_mutex_lock(&mu);
+    if (g_nalloc + count > 256) {
+        pthread_mutex_unlock(&mu);
+        free(p);
+        return -1;
+    }
+    for (int i = 0; i < count; i++) {
+        alloc_t *a = &g_alloc[g_nalloc++];
+        memset(a, 0, sizeof(*a));
+        a->p = out[i] = p;
+        a->n = sizes[i];
+        a->block = out[0];
+        a->dev = dev;
+        p += sizes[i];
+    }
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
 void *fake_device_alloc(int dev, size_t n)
 {
     void *p = NULL;
-    if (posix_memalign(&p, 256, n ? n : 1) != 0)
-        return NULL;
-    memset(p, 0, n);
-    pthread_mutex_lock(&mu);
-    if (g_nalloc == 256) {
-        pthread_mutex_unlock(&mu);
-        free(p);
-        return NULL;
-    }
-    g_alloc[g_nalloc].p = p;
-    g_alloc[g_nalloc].n = n;
-    g_alloc[g_nalloc].dev = dev;
-    g_alloc[g_nalloc].pending_fills = 0;
-    g_alloc[g_nalloc].htod_launched = g_alloc[g_nalloc].htod_done = 0;
-    g_alloc[g_nalloc].use_launched = g_alloc[g_nalloc].use_done = 0;
-    g_nalloc++;
-    pthread_mutex_unlock(&mu);
-    return p;
+    return fake_device_alloc_adjacent(dev, 1, &n, &p) == 0 ? p : NULL;
 }
 
 void fake_device_free(void *p)
@@ -848,8 +868,13 @@ void fake_device_free(void *p)
     pthread_mutex_lock(&mu);
     for (int i = 0; i < g_nalloc; i++) {
         if (g_alloc[i].p == p) {
+            void *block = g_alloc[i].block;
+            int shared = 0;
             g_alloc[i] = g_alloc[--g_nalloc];
-            free(p);
+            for (int j = 0; j < g_nalloc; j++)
+                shared |= g_alloc[j].block == block;
+            if (!shared)
+                free(block);
             break;
         }
     }
