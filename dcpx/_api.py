@@ -294,9 +294,8 @@ def load(
         _dist.load(reader, flat, mappings, stateful_sd, process_group, partial)
     elif fast:
         with paused_gc(), checkpoint_errors():
-            metadata = reader.read_metadata()
-            reader.set_up_storage_reader(metadata, True)
-            _dist.load_flat(flat, mappings, stateful_sd, reader, metadata, partial)
+            ck = _dist.open_checkpoint(reader)
+            _dist.load_flat(flat, mappings, stateful_sd, reader, ck, partial)
     else:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

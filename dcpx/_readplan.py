@@ -1,0 +1,219 @@
+"""Load once, plan once: the parsed, checked metadata of recently loaded
+checkpoints and, per destination layout, a compiled read plan.
+
+Loading the same checkpoint again (the same ``.metadata`` file, byte for
+byte) into a state dict of the same layout (the same keys in the same order,
+each tensor of the same dtype and shape in contiguous host memory) reuses:
+
+* the ``Metadata`` object: no unpickling, no ``_metadata._validate``, no
+  per-entry storage checks (``FileSystemReader._validate_storage``);
+* the read plan: a ``_C.read_plan`` capsule holding the files, each
+  archive's extent and storage type, where its destination sits in the flat
+  state dict, and the reads grouped into runs.  ``_C.read_plan_run`` takes
+  each destination's current memory (DLPack, from the tensor the state dict
+  holds now) and checks it against the plan; every archive is parsed and
+  every tensor's bytes CRC-checked on every load, as without the cache.
+
+What makes an entry valid (docs/design.md, "The read-plan cache"):
+
+* the ``.metadata`` file is read on every load, and its bytes and identity
+  (st_dev, st_ino, st_size, st_mtime_ns) must equal the cached ones: a new
+  save (a new file renamed in), or a rewrite with the same size and mtime,
+  misses;
+* every data file the metadata names has the identity (st_dev, st_ino,
+  st_size, st_mode, st_mtime_ns) it had when the entries were checked, else
+  the checkpoint is checked again from scratch;
+* a destination that is not what the plan was made for (another type,
+  dtype, shape, device, non-contiguous, a neg / conj bit) makes the run read
+  nothing and the load plan again;
+* a run that reports any failure (a CRC mismatch, a record the C reader
+  leaves to torch) turns the plan off for that checkpoint: the load, and
+  every later one, takes the uncached path, which raises exactly what a
+  load without the cache would.
+
+At most ``MAX_CHECKPOINTS`` checkpoints and ``MAX_PLANS`` layouts each are
+kept (least recently used first out).  ``clear()`` empties the cache.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from . import _C, _metadata
+from ._dtypes import _TO_DLPACK, _needs_int_view, storage_type_name
+
+MAX_CHECKPOINTS = 4
+MAX_PLANS = 4
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+_lock = threading.Lock()
+_cache: "OrderedDict[str, Checkpoint]" = OrderedDict()
+
+
+def clear() -> None:
+    """Forget every cached checkpoint and plan."""
+    with _lock:
+        _cache.clear()
+
+
+class Plan:
+    """A compiled read plan for one destination layout."""
+
+    __slots__ = ("capsule", "byte_keys")
+
+    def __init__(self, capsule: Any, byte_keys: list) -> None:
+        self.capsule = capsule
+        self.byte_keys = byte_keys
+
+
+class Checkpoint:
+    """One ``.metadata`` file as parsed and checked, and its plans."""
+
+    __slots__ = ("ident", "raw", "metadata", "files", "plans", "no_plan", "byte_index")
+
+    def __init__(self, ident: tuple, raw: bytes, metadata: Metadata, files: dict) -> None:
+        self.ident = ident
+        self.raw = raw
+        self.metadata = metadata
+        self.files = files            # data file name -> identity when checked
+        self.plans: OrderedDict = OrderedDict()
+        self.no_plan = False          # a plan run failed: plan every load
+        self.byte_index: Optional[dict] = None
+
+    def byte_info(self) -> dict:
+        """fqn -> storage info of every non-tensor value."""
+        if self.byte_index is None:
+            self.byte_index = {k.fqn: v for k, v in self.metadata.storage_data.items()
+                               if k.offset is None}
+        return self.byte_index
+
+
+def _file_ident(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mode, st.st_mtime_ns)
+
+
+def _files_unchanged(directory, files: dict) -> bool:
+    for name, ident in files.items():
+        try:
+            if _file_ident(os.lstat(directory / name)) != ident:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def checkpoint(reader, rank: Optional[int] = None) -> Checkpoint:
+    """The checkpoint ``reader`` points at (its ``__{rank}.metadata`` when
+    rank is given), checked as ``read_metadata`` + ``set_up_storage_reader``
+    check it: from the cache when its files are unchanged."""
+    path, raw, st = reader._read_metadata_file(rank)
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = str(path)
+    with _lock:
+        ck = _cache.get(key)
+        if ck is not None:
+            _cache.move_to_end(key)
+    if (ck is not None and ck.ident == ident and ck.raw == raw
+            and _files_unchanged(reader.path, ck.files)):
+        return ck
+    md = _metadata.loads(raw, key)
+    reader._validate_storage(md)
+    names = {info.relative_path for info in md.storage_data.values()}
+    files = {}
+    for name in names:
+        try:
+            files[name] = _file_ident(os.lstat(reader.path / name))
+        except OSError:  # gone since it was checked: do not cache
+            return Checkpoint(ident, raw, md, {name: None})
+    ck = Checkpoint(ident, raw, md, files)
+    with _lock:
+        _cache[key] = ck
+        _cache.move_to_end(key)
+        while len(_cache) > MAX_CHECKPOINTS:
+            _cache.popitem(last=False)
+    return ck
+
+
+def cacheable(reader) -> bool:
+    """Whether ``reader`` reads metadata and sets itself up as dcpx's
+    FileSystemReader does (a subclass may override either)."""
+    from ._reader import FileSystemReader
+    cls = type(reader)
+    return (isinstance(reader, FileSystemReader)
+            and cls.read_metadata is FileSystemReader.read_metadata
+            and cls.set_up_storage_reader is FileSystemReader.set_up_storage_reader
+            and cls.read_tensors is FileSystemReader.read_tensors
+            and "read_metadata" not in vars(reader)
+            and "set_up_storage_reader" not in vars(reader))
+
+
+def get_plan(ck: Checkpoint, key: tuple) -> Optional[Plan]:
+    with _lock:
+        plan = ck.plans.get(key)
+        if plan is not None:
+            ck.plans.move_to_end(key)
+        return plan
+
+
+def put_plan(ck: Checkpoint, key: tuple, plan: Optional[Plan]) -> None:
+    if plan is None or ck.ident is None:
+        return
+    with _lock:
+        if ck.no_plan:
+            return
+        ck.plans[key] = plan
+        ck.plans.move_to_end(key)
+        while len(ck.plans) > MAX_PLANS:
+            ck.plans.popitem(last=False)
+
+
+def drop_plan(ck: Checkpoint, key: tuple, failed: bool) -> None:
+    """Forget the plan for ``key``; all of them, for good, if a run failed."""
+    with _lock:
+        ck.plans.pop(key, None)
+        if failed:
+            ck.no_plan = True
+            ck.plans.clear()
+
+
+def compile_plan(reader, flat: dict, reads: list, byte_keys: list) -> Optional[Plan]:
+    """A plan for ``reads`` (as ``_dist.plan_reads`` made them for ``flat``),
+    or None when they are not all whole plain tensors read in place, once
+    each, covering every tensor key of the checkpoint in ``flat``."""
+    from ._reader import _reads_in_place
+    if _TO_DLPACK is None:
+        return None
+    sdm = reader._state_dict_metadata
+    tensor_keys = sum(1 for k in flat if isinstance(sdm.get(k), TensorStorageMetadata))
+    if len(reads) != tensor_keys:
+        return None
+    pos = {k: i for i, k in enumerate(flat)}
+    files: dict = {}
+    items, dests = [], []
+    seen = set()
+    for r in reads:
+        obj = flat[r.key]
+        if (type(obj) not in _PLAIN_TYPES or r.key in seen or not _reads_in_place(r)
+                or obj.is_neg() or obj.is_conj() or _needs_int_view(r.dtype)):
+            return None
+        seen.add(r.key)
+        fidx = files.setdefault(r.info.relative_path, len(files))
+        items.append((fidx, r.info.offset, r.info.length, storage_type_name(r.dtype),
+                      pos[r.key]))
+        dests.append(_TO_DLPACK(obj))
+    paths = [str(reader.path / p) for p in files]
+    return Plan(_C.read_plan(paths, items, dests), byte_keys)
+
+
+def run_plan(reader, plan: Plan, flat: dict) -> Optional[list]:
+    """Read every tensor of ``plan`` into ``flat``'s tensors.  None when a
+    destination is not what the plan was made for (nothing was read), else
+    the C reader's failures (empty: all read and checked)."""
+    return _C.read_plan_run(plan.capsule, list(flat.values()), _TO_DLPACK, _PLAIN_TYPES,
+                            threads=reader.thread_count, verify=reader.verify)
