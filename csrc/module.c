@@ -208,11 +208,12 @@ PyDoc_STRVAR(read_doc,
              "read (1 fallback, 2 corrupt, 3 I/O, 4 CRC mismatch).");
 
 PyDoc_STRVAR(read_plan_doc,
-             "read_plan($module, paths, items, dests, /)\n--\n\n"
+             "read_plan($module, paths, items, values, exporter, types, /)\n--\n\n"
              "A reusable read_items job: items [(file_index, offset, length, "
-             "storage_type, position)], dests the destinations of a first "
-             "load (their dtype, shape and layout are what later runs "
-             "require).  Returns a capsule for read_plan_run.");
+             "storage_type, position)] into values[position], checked as "
+             "read_plan_run checks them; their dtype and shape are what later "
+             "runs require.  A capsule for read_plan_run, or None if a "
+             "destination cannot be read into in place.");
 
 PyDoc_STRVAR(read_plan_run_doc,
              "read_plan_run($module, plan, values, exporter, types, threads=1, "

@@ -22,10 +22,11 @@
  * only the plain structs below; the destinations were taken through DLPack
  * beforehand.
  *
- *   plan = read_plan(paths, items, dests)
- *       item: (file_index, offset, length, storage_type, position); dests:
- *       the destinations of a first load, which fix what every later one
- *       must look like (dtype, shape, contiguous host memory)
+ *   plan = read_plan(paths, items, values, exporter, types)
+ *       item: (file_index, offset, length, storage_type, position); the
+ *       destinations values[position] (checked as below) fix what every
+ *       later one must look like (dtype, shape); None if one cannot be
+ *       read into in place
  *   failures = read_plan_run(plan, values, exporter, types, threads, verify)
  *       values: a sequence whose [position] is each item's destination;
  *       each must be of one of `types`, have no neg / conj bit, and export
@@ -622,26 +623,89 @@ static void plan_capsule_free(PyObject *cap)
     free_plan(PyCapsule_GetPointer(cap, PLAN_NAME));
 }
 
+/* Whether obj() is False. */
+static int method_false(PyObject *obj, PyObject *name)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(obj, name);
+    if (r == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(r);
+    return r == Py_False;
+}
+
+/* Take item i's destination from values; 0 if it is not what the plan was
+ * made for (no exception set). */
+static int bind_dest(rplan *p, Py_ssize_t i, ritem *it, PyObject *values,
+                     PyObject *exporter, PyObject *types, int record)
+{
+    static PyObject *is_neg, *is_conj;
+    if (is_neg == NULL && (is_neg = PyUnicode_InternFromString("is_neg")) == NULL)
+        return -1;
+    if (is_conj == NULL && (is_conj = PyUnicode_InternFromString("is_conj")) == NULL)
+        return -1;
+    if (p->pos[i] >= PySequence_Fast_GET_SIZE(values))
+        return 0;
+    PyObject *v = PySequence_Fast_GET_ITEM(values, p->pos[i]);
+    int typed = 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(types); k++)
+        typed |= (PyObject *)Py_TYPE(v) == PyTuple_GET_ITEM(types, k);
+    /* The exporter shares a tensor's memory whatever its neg / conj bit
+     * says; such a tensor must take the torch path. */
+    if (!typed || !method_false(v, is_neg) ||
+        ((record || p->dtype_code[i] == 5 /* kDLComplex */) && !method_false(v, is_conj)))
+        return 0;
+    PyObject *cap = PyObject_CallOneArg(exporter, v);
+    if (cap == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int rc = dcpx_view_from_object(cap, &it->dest, 1);
+    Py_DECREF(cap);
+    if (rc < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const dcpx_view *d = &it->dest;
+    if (record && d->ndim <= 16) {   /* read_plan: what later runs require */
+        p->ndim[i] = d->ndim;
+        p->dtype_code[i] = d->dtype_code;
+        p->itemsize[i] = d->itemsize;
+        for (int k = 0; k < d->ndim; k++)
+            p->shape[16 * i + k] = d->shape[k];
+    }
+    if (!(d->device_type == DCPX_DL_CPU || d->device_type == DCPX_DL_CUDA_HOST) ||
+        !d->contiguous || d->ndim != p->ndim[i] || d->dtype_code != p->dtype_code[i] ||
+        d->itemsize != p->itemsize[i] ||
+        memcmp(d->shape, &p->shape[16 * i], sizeof(int64_t) * (size_t)d->ndim) != 0) {
+        dcpx_view_release(&it->dest);
+        return 0;
+    }
+    it->code = RD_OK;
+    it->err = 0;
+    it->msg[0] = '\0';
+    return 1;
+}
+
 PyObject *dcpx_read_plan(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    PyObject *paths, *items, *dests, *fi = NULL, *fd = NULL, *cap = NULL;
+    PyObject *paths, *items, *values, *exporter, *types, *fi = NULL, *fv = NULL;
+    PyObject *cap = NULL;
     rplan *p = PyMem_RawCalloc(1, sizeof(rplan));
 
     if (p == NULL)
         return PyErr_NoMemory();
-    if (!PyArg_ParseTuple(args, "OOO:read_plan", &paths, &items, &dests))
+    if (!PyArg_ParseTuple(args, "OOOOO!:read_plan", &paths, &items, &values, &exporter,
+                          &PyTuple_Type, &types))
         goto done;
     if (parse_paths(&p->job, paths) < 0)
         goto done;
     fi = PySequence_Fast(items, "dcpx: items must be a sequence");
-    fd = fi ? PySequence_Fast(dests, "dcpx: dests must be a sequence") : NULL;
-    if (fd == NULL)
+    fv = fi ? PySequence_Fast(values, "dcpx: values must be a sequence") : NULL;
+    if (fv == NULL)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fi);
-    if (PySequence_Fast_GET_SIZE(fd) != n) {
-        PyErr_SetString(PyExc_ValueError, "dcpx: one destination per item");
-        goto done;
-    }
     size_t m = (size_t)(n ? n : 1);
     p->job.items = PyMem_RawCalloc(m, sizeof(ritem));
     p->pos = PyMem_RawCalloc(m, sizeof(Py_ssize_t));
@@ -659,7 +723,6 @@ PyObject *dcpx_read_plan(PyObject *Py_UNUSED(module), PyObject *args)
         const char *stype;
         Py_ssize_t slen;
         unsigned long long off, len;
-        dcpx_view v;
         p->job.n = i + 1;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fi, i),
                               "nKKs#n;dcpx: plan item must be (file, offset, "
@@ -677,21 +740,12 @@ PyObject *dcpx_read_plan(PyObject *Py_UNUSED(module), PyObject *args)
         memcpy(it->storage_type, stype, (size_t)slen + 1);
         it->offset = off;
         it->length = len;
-        if (dcpx_view_from_object(PySequence_Fast_GET_ITEM(fd, i), &v, 1) < 0)
+        int rc = bind_dest(p, i, it, fv, exporter, types, 1);
+        if (rc < 0)
             goto done;
-        int ok = (v.device_type == DCPX_DL_CPU || v.device_type == DCPX_DL_CUDA_HOST) &&
-                 v.contiguous && v.ndim <= 16;
-        if (ok) {
-            p->ndim[i] = v.ndim;
-            p->dtype_code[i] = v.dtype_code;
-            p->itemsize[i] = v.itemsize;
-            for (int d = 0; d < v.ndim; d++)
-                p->shape[16 * i + d] = v.shape[d];
-        }
-        dcpx_view_release(&v);
-        if (!ok) {
-            PyErr_SetString(PyExc_ValueError, "dcpx: a read plan's destinations must "
-                                              "be contiguous host tensors");
+        dcpx_view_release(&it->dest);
+        if (rc == 0) {                /* a destination the plan cannot take */
+            cap = Py_NewRef(Py_None);
             goto done;
         }
     }
@@ -704,67 +758,9 @@ PyObject *dcpx_read_plan(PyObject *Py_UNUSED(module), PyObject *args)
         p = NULL;
 done:
     Py_XDECREF(fi);
-    Py_XDECREF(fd);
+    Py_XDECREF(fv);
     free_plan(p);
     return cap;
-}
-
-/* Whether obj() is False. */
-static int method_false(PyObject *obj, PyObject *name)
-{
-    PyObject *r = PyObject_CallMethodNoArgs(obj, name);
-    if (r == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    Py_DECREF(r);
-    return r == Py_False;
-}
-
-/* Take item i's destination from values; 0 if it is not what the plan was
- * made for (no exception set). */
-static int bind_dest(rplan *p, Py_ssize_t i, ritem *it, PyObject *values,
-                     PyObject *exporter, PyObject *types)
-{
-    static PyObject *is_neg, *is_conj;
-    if (is_neg == NULL && (is_neg = PyUnicode_InternFromString("is_neg")) == NULL)
-        return -1;
-    if (is_conj == NULL && (is_conj = PyUnicode_InternFromString("is_conj")) == NULL)
-        return -1;
-    if (p->pos[i] >= PySequence_Fast_GET_SIZE(values))
-        return 0;
-    PyObject *v = PySequence_Fast_GET_ITEM(values, p->pos[i]);
-    int typed = 0;
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(types); k++)
-        typed |= (PyObject *)Py_TYPE(v) == PyTuple_GET_ITEM(types, k);
-    /* The exporter shares a tensor's memory whatever its neg / conj bit
-     * says; such a tensor must take the torch path. */
-    if (!typed || !method_false(v, is_neg) ||
-        (p->dtype_code[i] == 5 /* kDLComplex */ && !method_false(v, is_conj)))
-        return 0;
-    PyObject *cap = PyObject_CallOneArg(exporter, v);
-    if (cap == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int rc = dcpx_view_from_object(cap, &it->dest, 1);
-    Py_DECREF(cap);
-    if (rc < 0) {
-        PyErr_Clear();
-        return 0;
-    }
-    const dcpx_view *d = &it->dest;
-    if (!(d->device_type == DCPX_DL_CPU || d->device_type == DCPX_DL_CUDA_HOST) ||
-        !d->contiguous || d->ndim != p->ndim[i] || d->dtype_code != p->dtype_code[i] ||
-        d->itemsize != p->itemsize[i] ||
-        memcmp(d->shape, &p->shape[16 * i], sizeof(int64_t) * (size_t)d->ndim) != 0) {
-        dcpx_view_release(&it->dest);
-        return 0;
-    }
-    it->code = RD_OK;
-    it->err = 0;
-    it->msg[0] = '\0';
-    return 1;
 }
 
 PyObject *dcpx_read_plan_run(PyObject *Py_UNUSED(module), PyObject *args,
@@ -808,7 +804,7 @@ PyObject *dcpx_read_plan_run(PyObject *Py_UNUSED(module), PyObject *args,
         goto done;
     }
     for (; bound < job.n; bound++) {
-        int rc = bind_dest(p, bound, &job.items[bound], fast, exporter, types);
+        int rc = bind_dest(p, bound, &job.items[bound], fast, exporter, types, 0);
         if (rc < 0)
             goto done;
         if (rc == 0) {

@@ -784,25 +784,24 @@ def plan_reads(reader: FileSystemReader, metadata: Metadata, flat: dict,
 def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
               ck: _readplan.Checkpoint, allow_partial_load: bool = False) -> None:
     """Fill a flattened state dict, in place, from the checkpoint ``ck``
-    (``open_checkpoint``): through its cached read plan for this layout when
-    there is one (dcpx/_readplan.py), else planned here (and the plan kept
-    when it can be reused)."""
+    (``open_checkpoint``): through a compiled read plan when every tensor is
+    read whole and in place (cached per layout, dcpx/_readplan.py), else
+    planned here (resharding, casts, devices, views, and every error)."""
     key = None if ck.no_plan else (tuple(flat), allow_partial_load)
     plan = None if key is None else _readplan.get_plan(ck, key)
+    if plan is None and key is not None:
+        plan = _readplan.direct_plan(reader, ck, flat, allow_partial_load)
     if plan is not None:
         failures = _readplan.run_plan(reader, plan, flat)
         if failures is not None and not failures:
+            _readplan.put_plan(ck, key, plan)
             _load_values(flat, mappings, original, reader, ck, plan.byte_keys)
             return
         # A destination changed (None) or a read failed: plan this load
         # anew, which raises what a load without the cache raises.
         _readplan.drop_plan(ck, key, failed=failures is not None)
-        if failures is not None:
-            key = None
     reads, byte_keys = plan_reads(reader, ck.metadata, flat, allow_partial_load)
     reader.read_tensors(reads)
-    if key is not None:
-        _readplan.put_plan(ck, key, _readplan.compile_plan(reader, flat, reads, byte_keys))
     _load_values(flat, mappings, original, reader, ck, byte_keys)
 
 
@@ -840,7 +839,9 @@ def open_checkpoint(reader: FileSystemReader, rank: Optional[int] = None,
     metadata, collective = read_metadata(reader, rank)
     reader.set_up_storage_reader(metadata, is_coordinator, rank=rank,
                                  use_collectives=collective)
-    return _readplan.Checkpoint(None, b"", metadata, {})
+    ck = _readplan.Checkpoint(None, b"", metadata, {})
+    ck.no_plan = True  # the reader may read its own way (a subclass)
+    return ck
 
 
 def read_metadata(reader: FileSystemReader, rank: Optional[int]) -> tuple[Metadata, bool]:

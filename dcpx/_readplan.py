@@ -75,7 +75,8 @@ class Plan:
 class Checkpoint:
     """One ``.metadata`` file as parsed and checked, and its plans."""
 
-    __slots__ = ("ident", "raw", "metadata", "files", "plans", "no_plan", "byte_index")
+    __slots__ = ("ident", "raw", "metadata", "files", "plans", "no_plan", "byte_index",
+                 "whole_index")
 
     def __init__(self, ident: tuple, raw: bytes, metadata: Metadata, files: dict) -> None:
         self.ident = ident
@@ -85,6 +86,24 @@ class Checkpoint:
         self.plans: OrderedDict = OrderedDict()
         self.no_plan = False          # a plan run failed: plan every load
         self.byte_index: Optional[dict] = None
+        self.whole_index: Optional[dict] = None
+
+    def whole_chunks(self) -> dict:
+        """fqn -> storage info of every non-empty tensor saved as one
+        chunk covering all of it."""
+        if self.whole_index is None:
+            sdm = self.metadata.state_dict_metadata
+            index = {}
+            for k, v in self.metadata.storage_data.items():
+                md = sdm.get(k.fqn)
+                if type(md) is TensorStorageMetadata and len(md.chunks) == 1:
+                    ch = md.chunks[0]
+                    if (ch.sizes == md.size and not any(ch.offsets)
+                            and tuple(k.offset or ()) == tuple(ch.offsets)
+                            and md.size.numel() > 0):
+                        index[k.fqn] = v
+            self.whole_index = index
+        return self.whole_index
 
     def byte_info(self) -> dict:
         """fqn -> storage info of every non-tensor value."""
@@ -182,33 +201,39 @@ def drop_plan(ck: Checkpoint, key: tuple, failed: bool) -> None:
             ck.plans.clear()
 
 
-def compile_plan(reader, flat: dict, reads: list, byte_keys: list) -> Optional[Plan]:
-    """A plan for ``reads`` (as ``_dist.plan_reads`` made them for ``flat``),
-    or None when they are not all whole plain tensors read in place, once
-    each, covering every tensor key of the checkpoint in ``flat``."""
-    from ._reader import _reads_in_place
+def direct_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool) -> Optional[Plan]:
+    """A plan for loading ``flat`` when every tensor in it is read whole and
+    in place: a plain host tensor of its saved dtype and shape, saved as one
+    chunk, neither empty nor a neg / conj view.  None otherwise (and for
+    every error case), so that ``_dist.plan_reads`` plans it and raises
+    what torch would."""
     if _TO_DLPACK is None:
         return None
-    sdm = reader._state_dict_metadata
-    tensor_keys = sum(1 for k in flat if isinstance(sdm.get(k), TensorStorageMetadata))
-    if len(reads) != tensor_keys:
-        return None
-    pos = {k: i for i, k in enumerate(flat)}
+    sdm = ck.metadata.state_dict_metadata
+    whole = ck.whole_chunks()
     files: dict = {}
-    items, dests = [], []
-    seen = set()
-    for r in reads:
-        obj = flat[r.key]
-        if (type(obj) not in _PLAIN_TYPES or r.key in seen or not _reads_in_place(r)
-                or obj.is_neg() or obj.is_conj() or _needs_int_view(r.dtype)):
+    items, byte_keys = [], []
+    for pos, (fqn, obj) in enumerate(flat.items()):
+        md = sdm.get(fqn)
+        if md is None:
+            if allow_partial_load:
+                continue
             return None
-        seen.add(r.key)
-        fidx = files.setdefault(r.info.relative_path, len(files))
-        items.append((fidx, r.info.offset, r.info.length, storage_type_name(r.dtype),
-                      pos[r.key]))
-        dests.append(_TO_DLPACK(obj))
+        if type(md) is not TensorStorageMetadata:
+            byte_keys.append(fqn)
+            continue
+        info = whole.get(fqn)
+        dtype = md.properties.dtype
+        if (info is None or type(obj) not in _PLAIN_TYPES or obj.dtype is not dtype
+                or obj.shape != md.size or _needs_int_view(dtype)):
+            return None
+        fidx = files.get(info.relative_path)
+        if fidx is None:
+            fidx = files[info.relative_path] = len(files)
+        items.append((fidx, info.offset, info.length, storage_type_name(dtype), pos))
     paths = [str(reader.path / p) for p in files]
-    return Plan(_C.read_plan(paths, items, dests), byte_keys)
+    capsule = _C.read_plan(paths, items, list(flat.values()), _TO_DLPACK, _PLAIN_TYPES)
+    return None if capsule is None else Plan(capsule, byte_keys)
 
 
 def run_plan(reader, plan: Plan, flat: dict) -> Optional[list]:
