@@ -599,7 +599,9 @@ typedef struct {
     int *ndim;
     int *dtype_code;
     uint32_t *itemsize;
-    int64_t *shape;                  /* 16 per item */
+    Py_ssize_t *shape_at;            /* per item: where its shape starts in shape */
+    int64_t *shape;                  /* every item's dimensions, back to back */
+    size_t shape_len, shape_cap;
     atomic_int busy;                 /* job.items in use by a run */
 } rplan;
 
@@ -614,6 +616,7 @@ static void free_plan(rplan *p)
     PyMem_RawFree(p->ndim);
     PyMem_RawFree(p->dtype_code);
     PyMem_RawFree(p->itemsize);
+    PyMem_RawFree(p->shape_at);
     PyMem_RawFree(p->shape);
     PyMem_RawFree(p);
 }
@@ -669,16 +672,29 @@ static int bind_dest(rplan *p, Py_ssize_t i, ritem *it, PyObject *values,
     }
     const dcpx_view *d = &it->dest;
     if (record && d->ndim <= 16) {   /* read_plan: what later runs require */
+        if (p->shape_len + (size_t)d->ndim > p->shape_cap) {
+            size_t cap = 2 * p->shape_cap + 64;
+            int64_t *grown = PyMem_RawRealloc(p->shape, cap * sizeof(int64_t));
+            if (grown == NULL) {
+                dcpx_view_release(&it->dest);
+                PyErr_NoMemory();
+                return -1;
+            }
+            p->shape = grown;
+            p->shape_cap = cap;
+        }
         p->ndim[i] = d->ndim;
         p->dtype_code[i] = d->dtype_code;
         p->itemsize[i] = d->itemsize;
+        p->shape_at[i] = (Py_ssize_t)p->shape_len;
         for (int k = 0; k < d->ndim; k++)
-            p->shape[16 * i + k] = d->shape[k];
+            p->shape[p->shape_len++] = d->shape[k];
     }
     if (!(d->device_type == DCPX_DL_CPU || d->device_type == DCPX_DL_CUDA_HOST) ||
         !d->contiguous || d->ndim != p->ndim[i] || d->dtype_code != p->dtype_code[i] ||
         d->itemsize != p->itemsize[i] ||
-        memcmp(d->shape, &p->shape[16 * i], sizeof(int64_t) * (size_t)d->ndim) != 0) {
+        (d->ndim && memcmp(d->shape, &p->shape[p->shape_at[i]],
+                           sizeof(int64_t) * (size_t)d->ndim) != 0)) {
         dcpx_view_release(&it->dest);
         return 0;
     }
@@ -712,9 +728,9 @@ PyObject *dcpx_read_plan(PyObject *Py_UNUSED(module), PyObject *args)
     p->ndim = PyMem_RawCalloc(m, sizeof(int));
     p->dtype_code = PyMem_RawCalloc(m, sizeof(int));
     p->itemsize = PyMem_RawCalloc(m, sizeof(uint32_t));
-    p->shape = PyMem_RawCalloc(m * 16, sizeof(int64_t));
+    p->shape_at = PyMem_RawCalloc(m, sizeof(Py_ssize_t));
     if (!p->job.items || !p->pos || !p->ndim || !p->dtype_code || !p->itemsize ||
-        !p->shape) {
+        !p->shape_at) {
         PyErr_NoMemory();
         goto done;
     }
