@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from . import _C, _metadata
 from ._dtypes import _TO_DLPACK, _needs_int_view, storage_type_name
 
-MAX_CHECKPOINTS = 4
+MAX_CHECKPOINTS = 2
 MAX_PLANS = 4
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)

@@ -271,3 +271,30 @@ def test_c_reader_reads_unsorted_items_and_runs(tmp_path):
     reader.read_tensors(reads)
     for r in reads:
         assert_bit_equal(r.target, src[r.key], r.key)
+
+
+def test_threads_loading_one_checkpoint_share_its_plan(tmp_path):
+    """Loads on several threads into state dicts of one layout run the same
+    cached plan at the same time (one of them on a copy of its items)."""
+    import threading
+    path = tmp_path / "c"
+    src = _state(0, n=400, shape=(64,))
+    _save(src, path)
+    dcpx.load(_empty_like(src), checkpoint_id=path)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(5):
+                dst = _empty_like(src)
+                dcpx.load(dst, checkpoint_id=path)
+                _assert_loaded(dst, src)
+        except BaseException as e:  # noqa: B902 - reported below
+            errors.append(e)
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert _plans(path) == 1
