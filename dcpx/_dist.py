@@ -787,6 +787,14 @@ def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRead
     (``open_checkpoint``): through a compiled read plan when every tensor is
     read whole and in place (cached per layout, dcpx/_readplan.py), else
     planned here (resharding, casts, devices, views, and every error)."""
+    try:
+        _load_flat(flat, mappings, original, reader, ck, allow_partial_load)
+    finally:
+        ck.release()
+
+
+def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
+               ck: _readplan.Checkpoint, allow_partial_load: bool) -> None:
     key = None if ck.no_plan else (tuple(flat), allow_partial_load)
     plan = None if key is None else _readplan.get_plan(ck, key)
     if plan is None and key is not None:
@@ -833,8 +841,7 @@ def open_checkpoint(reader: FileSystemReader, rank: Optional[int] = None,
             if rank is None or not (reader.path / f"__{rank}{_metadata.METADATA_FN}").exists():
                 raise
             ck, collective = _readplan.checkpoint(reader, rank), False
-        reader._stamp(ck.metadata)
-        reader._set_up_checked(ck.metadata, rank, collective)
+        reader._set_up_cached(ck, rank, collective)
         return ck
     metadata, collective = read_metadata(reader, rank)
     reader.set_up_storage_reader(metadata, is_coordinator, rank=rank,

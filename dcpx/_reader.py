@@ -149,6 +149,7 @@ class FileSystemReader(StorageReader):
                  thread_count: Optional[int] = None, verify: bool = True,
                  allow_pickle: bool = False) -> None:
         super().__init__()
+        self._lazy: Any = None  # a dcpx._readplan.Checkpoint set up for, not yet decoded
         self.path = local_path(path)
         self.thread_count = thread_count or min(4, os.cpu_count() or 1)
         self.verify = verify
@@ -217,12 +218,49 @@ class FileSystemReader(StorageReader):
     def _set_up_checked(self, metadata: Metadata, rank: Optional[int],
                         use_collectives: bool) -> None:
         """set_up_storage_reader for metadata whose storage entries were
-        checked already (dcpx._readplan's cache)."""
+        checked already."""
         self.storage_data = metadata.storage_data
         self._state_dict_metadata = metadata.state_dict_metadata
         self._chunks = None
         self.rank = rank
         self.use_collectives = use_collectives
+
+    def _set_up_cached(self, ck: Any, rank: Optional[int], use_collectives: bool) -> None:
+        """Set up for a checkpoint of dcpx._readplan's cache, checked
+        already: its Metadata (``storage_data``, the state dict metadata)
+        is decoded only if something here asks for it."""
+        self._lazy = ck
+        self._chunks = None
+        self.rank = rank
+        self.use_collectives = use_collectives
+
+    def _decode_lazy(self) -> None:
+        ck, self._lazy = self._lazy, None
+        md = ck.metadata
+        self._stamp(md)
+        self._storage_data = md.storage_data
+        self._sdm = md.state_dict_metadata
+
+    @property
+    def storage_data(self) -> dict:  # type: ignore[override]
+        if self._lazy is not None:
+            self._decode_lazy()
+        return self._storage_data
+
+    @storage_data.setter
+    def storage_data(self, value: dict) -> None:
+        self._lazy = None
+        self._storage_data = value
+
+    @property
+    def _state_dict_metadata(self) -> dict:
+        if self._lazy is not None:
+            self._decode_lazy()
+        return self._sdm
+
+    @_state_dict_metadata.setter
+    def _state_dict_metadata(self, value: dict) -> None:
+        self._sdm = value
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -73,20 +73,40 @@ class Plan:
 
 
 class Checkpoint:
-    """One ``.metadata`` file as parsed and checked, and its plans."""
+    """One ``.metadata`` file as parsed and checked, and its plans.
 
-    __slots__ = ("ident", "raw", "metadata", "files", "plans", "no_plan", "byte_index",
+    A cached checkpoint keeps its bytes, not its ``Metadata`` objects
+    (~20 per tensor): ``release()`` drops them at the end of each load,
+    inside its GC pause, so that they are neither kept in memory nor
+    scanned by the collector when the pause ends; ``metadata`` decodes
+    them again when a load has to plan (another layout)."""
+
+    __slots__ = ("ident", "raw", "where", "_md", "files", "plans", "no_plan", "byte_index",
                  "whole_index")
 
-    def __init__(self, ident: tuple, raw: bytes, metadata: Metadata, files: dict) -> None:
-        self.ident = ident
+    def __init__(self, ident: Optional[tuple], raw: bytes, metadata: Metadata, files: dict,
+                 where: str = "") -> None:
+        self.ident = ident            # None: not cached (metadata kept as given)
         self.raw = raw
-        self.metadata = metadata
+        self.where = where
+        self._md: Optional[Metadata] = metadata
         self.files = files            # data file name -> identity when checked
         self.plans: OrderedDict = OrderedDict()
         self.no_plan = False          # a plan run failed: plan every load
         self.byte_index: Optional[dict] = None
         self.whole_index: Optional[dict] = None
+
+    @property
+    def metadata(self) -> Metadata:
+        md = self._md
+        if md is None:  # the same bytes, checked when first cached
+            md = self._md = _metadata.loads(self.raw, self.where)
+        return md
+
+    def release(self) -> None:
+        if self.ident is not None:
+            self._md = None
+            self.whole_index = None
 
     def whole_chunks(self) -> dict:
         """fqn -> storage info of every non-empty tensor saved as one
@@ -149,8 +169,10 @@ def checkpoint(reader, rank: Optional[int] = None) -> Checkpoint:
         try:
             files[name] = _file_ident(os.lstat(reader.path / name))
         except OSError:  # gone since it was checked: do not cache
-            return Checkpoint(ident, raw, md, {name: None})
-    ck = Checkpoint(ident, raw, md, files)
+            ck = Checkpoint(None, raw, md, {})
+            ck.no_plan = True
+            return ck
+    ck = Checkpoint(ident, raw, md, files, key)
     with _lock:
         _cache[key] = ck
         _cache.move_to_end(key)
