@@ -787,30 +787,32 @@ def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRead
     (``open_checkpoint``): through a compiled read plan when every tensor is
     read whole and in place (cached per layout, dcpx/_readplan.py), else
     planned here (resharding, casts, devices, views, and every error)."""
-    try:
-        _load_flat(flat, mappings, original, reader, ck, allow_partial_load)
-    finally:
+    if _load_flat(flat, mappings, original, reader, ck, allow_partial_load):
+        # Loaded through a plan: the Metadata objects are not needed by
+        # the next load of this layout (dcpx/_readplan.py, Checkpoint).
         ck.release()
 
 
 def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
-               ck: _readplan.Checkpoint, allow_partial_load: bool) -> None:
+               ck: _readplan.Checkpoint, allow_partial_load: bool) -> bool:
+    """load_flat; whether it went through a plan."""
     key = None if ck.no_plan else (tuple(flat), allow_partial_load)
     plan = None if key is None else _readplan.get_plan(ck, key)
     if plan is None and key is not None:
-        plan = _readplan.direct_plan(reader, ck, flat, allow_partial_load)
+        plan = _readplan.direct_plan(reader, ck, flat, allow_partial_load, key)
     if plan is not None:
         failures = _readplan.run_plan(reader, plan, flat)
         if failures is not None and not failures:
             _readplan.put_plan(ck, key, plan)
             _load_values(flat, mappings, original, reader, ck, plan.byte_keys)
-            return
+            return True
         # A destination changed (None) or a read failed: plan this load
         # anew, which raises what a load without the cache raises.
         _readplan.drop_plan(ck, key, failed=failures is not None)
     reads, byte_keys = plan_reads(reader, ck.metadata, flat, allow_partial_load)
     reader.read_tensors(reads)
     _load_values(flat, mappings, original, reader, ck, byte_keys)
+    return False
 
 
 def _load_values(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,

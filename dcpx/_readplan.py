@@ -75,14 +75,16 @@ class Plan:
 class Checkpoint:
     """One ``.metadata`` file as parsed and checked, and its plans.
 
-    A cached checkpoint keeps its bytes, not its ``Metadata`` objects
-    (~20 per tensor): ``release()`` drops them at the end of each load,
-    inside its GC pause, so that they are neither kept in memory nor
-    scanned by the collector when the pause ends; ``metadata`` decodes
-    them again when a load has to plan (another layout)."""
+    After a load through a plan, a cached checkpoint keeps its bytes, not
+    its ``Metadata`` objects (~20 per tensor): ``release()`` drops them
+    inside the load's GC pause, so that they are neither kept in memory
+    nor scanned by the collector when the pause ends; ``metadata`` decodes
+    them again when a load has to plan (another layout).  A load planned by
+    ``_dist.plan_reads`` (casts, resharding, CUDA) keeps them for the next
+    one."""
 
     __slots__ = ("ident", "raw", "where", "_md", "files", "plans", "no_plan", "byte_index",
-                 "whole_index")
+                 "whole_index", "no_direct")
 
     def __init__(self, ident: Optional[tuple], raw: bytes, metadata: Metadata, files: dict,
                  where: str = "") -> None:
@@ -93,6 +95,7 @@ class Checkpoint:
         self.files = files            # data file name -> identity when checked
         self.plans: OrderedDict = OrderedDict()
         self.no_plan = False          # a plan run failed: plan every load
+        self.no_direct: OrderedDict = OrderedDict()  # layouts read_plan refused
         self.byte_index: Optional[dict] = None
         self.whole_index: Optional[dict] = None
 
@@ -223,13 +226,14 @@ def drop_plan(ck: Checkpoint, key: tuple, failed: bool) -> None:
             ck.plans.clear()
 
 
-def direct_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool) -> Optional[Plan]:
+def direct_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool,
+                key: tuple) -> Optional[Plan]:
     """A plan for loading ``flat`` when every tensor in it is read whole and
     in place: a plain host tensor of its saved dtype and shape, saved as one
     chunk, neither empty nor a neg / conj view.  None otherwise (and for
     every error case), so that ``_dist.plan_reads`` plans it and raises
     what torch would."""
-    if _TO_DLPACK is None:
+    if _TO_DLPACK is None or key in ck.no_direct:
         return None
     sdm = ck.metadata.state_dict_metadata
     whole = ck.whole_chunks()
@@ -253,9 +257,22 @@ def direct_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool) ->
         if fidx is None:
             fidx = files[info.relative_path] = len(files)
         items.append((fidx, info.offset, info.length, storage_type_name(dtype), pos))
+    if byte_keys:
+        ck.byte_info()  # kept by release()
+    # The Metadata objects are not needed any more: released before the
+    # plan's arrays are allocated, so that the two do not add up at the
+    # load's peak of memory.
+    sdm = whole = md = info = obj = None
+    ck.release()
     paths = [str(reader.path / p) for p in files]
     capsule = _C.read_plan(paths, items, list(flat.values()), _TO_DLPACK, _PLAIN_TYPES)
-    return None if capsule is None else Plan(capsule, byte_keys)
+    if capsule is None:  # e.g. CUDA or non-contiguous destinations: do not try again
+        with _lock:
+            ck.no_direct[key] = True
+            while len(ck.no_direct) > MAX_PLANS:
+                ck.no_direct.popitem(last=False)
+        return None
+    return Plan(capsule, byte_keys)
 
 
 def run_plan(reader, plan: Plan, flat: dict) -> Optional[list]:

@@ -298,3 +298,20 @@ def test_threads_loading_one_checkpoint_share_its_plan(tmp_path):
         t.join()
     assert not errors, errors
     assert _plans(path) == 1
+
+
+def test_loads_without_a_plan_keep_the_decoded_metadata(tmp_path, parses):
+    """A layout that cannot be read through a plan (non-contiguous
+    destinations: refused by the C plan, after the metadata was released)
+    decodes the cached bytes once more, then keeps them: later loads parse
+    nothing."""
+    path = tmp_path / "c"
+    src = _state(0)
+    _save(src, path)
+    dst = {k: torch.zeros(5, 3).t() for k in src}
+    for _ in range(3):
+        dcpx.load(dst, checkpoint_id=path)
+        for k in src:
+            assert_bit_equal(dst[k].contiguous(), src[k], k)
+    assert parses[0] == 2
+    assert _plans(path) == 0
