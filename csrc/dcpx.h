@@ -85,6 +85,7 @@ typedef struct {
     int device_id;
     int read_only;
     int contiguous;          /* compact row-major (or numel <= 1) */
+    int dtype_code;          /* DLDataType.code */
     /* Ownership: exactly one of these is non-NULL while the view is live. */
     DLManagedTensor *managed;
     DLManagedTensorVersioned *managed_v;
@@ -202,6 +203,8 @@ void dcpx_flatten_clear(dcpx_flatten_types *t);
 
 extern PyType_Spec dcpx_writejob_spec;
 PyObject *dcpx_read_items(PyObject *module, PyObject *args, PyObject *kwds);
+PyObject *dcpx_read_plan(PyObject *module, PyObject *args);
+PyObject *dcpx_read_plan_run(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_probe_tensor(PyObject *module, PyObject *obj);
 PyObject *dcpx_copy_into(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_prefault(PyObject *module, PyObject *args, PyObject *kwds);

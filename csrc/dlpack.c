@@ -67,6 +67,7 @@ static int fill_view(dcpx_view *v, const DLTensor *t, int read_only)
     v->shape = t->shape;
     v->strides = t->strides;
     v->itemsize = t->dtype.bits / 8;
+    v->dtype_code = t->dtype.code;
     v->device_type = t->device.device_type;
     v->device_id = t->device.device_id;
     v->read_only = read_only;

@@ -208,6 +208,22 @@ PyDoc_STRVAR(read_doc,
              "Returns [(item_index, code, errno, message)] for items not "
              "read (1 fallback, 2 corrupt, 3 I/O, 4 CRC mismatch).");
 
+PyDoc_STRVAR(read_plan_doc,
+             "read_plan($module, paths, items, values, exporter, types, /)\n--\n\n"
+             "A reusable read_items job: items [(file_index, offset, length, "
+             "storage_type, position)] into values[position], checked as "
+             "read_plan_run checks them; their dtype and shape are what later "
+             "runs require.  A capsule for read_plan_run, or None if a "
+             "destination cannot be read into in place.");
+
+PyDoc_STRVAR(read_plan_run_doc,
+             "read_plan_run($module, plan, values, exporter, types, threads=1, "
+             "verify=True)\n--\n\n"
+             "Run a read plan into values[position] of each item.  None, with "
+             "nothing read, if a destination is not of `types`, has a neg / "
+             "conj bit, or does not export (exporter) as the plan's dtype, "
+             "shape and contiguous host memory; else failures as read_items.");
+
 PyDoc_STRVAR(copy_doc,
              "copy_into($module, pairs, threads=1, base=None)\n--\n\n"
              "Copy each (src, dst) tensor pair, src strided or not, into its "
@@ -334,6 +350,9 @@ static PyMethodDef dcpx_methods[] = {
     {"parse_archive", dcpx_parse_py, METH_VARARGS, parse_doc},
     {"read_items", (PyCFunction)(void (*)(void))dcpx_read_items,
      METH_VARARGS | METH_KEYWORDS, read_doc},
+    {"read_plan", dcpx_read_plan, METH_VARARGS, read_plan_doc},
+    {"read_plan_run", (PyCFunction)(void (*)(void))dcpx_read_plan_run,
+     METH_VARARGS | METH_KEYWORDS, read_plan_run_doc},
     {NULL, NULL, 0, NULL},
 };
 

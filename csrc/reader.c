@@ -11,11 +11,30 @@
  *            3 IO        a read failed (errno), or the file is short
  *            4 CRC       the tensor bytes do not match the recorded CRC-32
  *
- * Per archive: one pread for small archives (whole), or a head window and
- * a tail window for large ones, then the tensor bytes are pread directly
- * into the destination's memory and CRC'd chunk by chunk while cache-hot.
- * Worker threads take items from a shared counter and touch only the plain
- * structs below; the destinations were taken through DLPack beforehand.
+ * Items are read in runs: the archives of one file sorted by offset, small
+ * ones (<= WHOLE_MAX) that lie next to each other (gaps <= RUN_GAP) grouped
+ * into one pread of at most RUN_MAX bytes into the worker's buffer, each
+ * archive then parsed from it and its tensor bytes copied to the
+ * destination and CRC'd in one pass (dcpx_crc32_copy).  A larger archive is
+ * a run of its own: a head window and a tail window, then the tensor bytes
+ * are pread directly into the destination's memory and CRC'd chunk by chunk
+ * while cache-hot.  Worker threads take runs from a shared counter and touch
+ * only the plain structs below; the destinations were taken through DLPack
+ * beforehand.
+ *
+ *   plan = read_plan(paths, items, values, exporter, types)
+ *       item: (file_index, offset, length, storage_type, position); the
+ *       destinations values[position] (checked as below) fix what every
+ *       later one must look like (dtype, shape); None if one cannot be
+ *       read into in place
+ *   failures = read_plan_run(plan, values, exporter, types, threads, verify)
+ *       values: a sequence whose [position] is each item's destination;
+ *       each must be of one of `types`, have no neg / conj bit, and export
+ *       (exporter(value) -> DLPack capsule) as the plan's dtype and shape.
+ *       -> None, with nothing read, when one does not (the caller plans
+ *       again); else failures as read_items.
+ * The plan keeps the parsed paths and items and their runs, so that a load
+ * of the same checkpoint into the same layout redoes none of that work.
  */
 #include "dcpx.h"
 
@@ -30,6 +49,8 @@
 #define WHOLE_MAX ((uint64_t)256 << 10) /* read small archives in one go */
 #define WINDOW ((size_t)64 << 10)       /* head/tail windows otherwise */
 #define CHUNK ((size_t)4 << 20)
+#define RUN_MAX ((uint64_t)1 << 20)      /* bytes of one grouped pread */
+#define RUN_GAP ((uint64_t)4 << 10)      /* largest gap read through in a run */
 
 enum { RD_OK = 0, RD_FALLBACK = 1, RD_CORRUPT = 2, RD_IO = 3, RD_CRC = 4 };
 
@@ -47,6 +68,9 @@ typedef struct {
 typedef struct {
     ritem *items;
     Py_ssize_t n;
+    Py_ssize_t *order;               /* item indices sorted by (file, offset) */
+    Py_ssize_t *runs;                /* run r: order[runs[r] .. runs[r + 1]) */
+    Py_ssize_t nruns;
     int *fds;
     const char **fwhy;               /* per file: why it is not readable */
     char **paths;
@@ -57,6 +81,7 @@ typedef struct {
 
 typedef struct {
     unsigned char *buf;              /* WHOLE_MAX or 2 windows */
+    unsigned char *run;              /* RUN_MAX, allocated at first use */
 } scratch;
 
 static int pread_all(int fd, void *p, size_t n, uint64_t off)
@@ -148,7 +173,10 @@ static int check_record(ritem *it, const dcpx_tensor_record *rec)
     return 0;
 }
 
-static int read_one(rjob *job, ritem *it, scratch *s)
+/* Read one archive: from `mem` if its L bytes are there already (a run),
+ * else from its file. */
+static int read_archive(rjob *job, ritem *it, scratch *s,
+                        const unsigned char *mem)
 {
     int fd = job->fds[it->file];
     const uint64_t L = it->length;
@@ -160,9 +188,15 @@ static int read_one(rjob *job, ritem *it, scratch *s)
     const unsigned char *p;
     int rc;
 
-    if (L <= WHOLE_MAX) {
+    if (mem != NULL) {
+        head.w = tail.w = mem;
+        head.wbeg = tail.wbeg = 0;
+        head.wlen = tail.wlen = L;
+    }
+    else if (L <= WHOLE_MAX) {
         if (pread_all(fd, s->buf, L, it->offset) < 0)
             return io_fail(it, "read");
+        mem = s->buf;
         head.w = tail.w = s->buf;
         head.wbeg = tail.wbeg = 0;
         head.wlen = tail.wlen = L;
@@ -230,10 +264,11 @@ static int read_one(rjob *job, ritem *it, scratch *s)
     if (data_len == 0) {
         /* empty tensor: its data pointer may be NULL */
     }
-    else if (L <= WHOLE_MAX) {
-        memcpy(it->dest.data, s->buf + at, data_len);
+    else if (mem != NULL) {
         if (job->verify)
-            crc = dcpx_crc32(0, it->dest.data, data_len);
+            crc = dcpx_crc32_copy(0, it->dest.data, mem + at, data_len);
+        else
+            memcpy(it->dest.data, mem + at, data_len);
     }
     else {
         for (uint64_t done = 0; done < data_len; done += CHUNK) {
@@ -254,36 +289,153 @@ static int read_one(rjob *job, ritem *it, scratch *s)
     return 0;
 }
 
+static int read_one(rjob *job, ritem *it, scratch *s)
+{
+    return read_archive(job, it, s, NULL);
+}
+
+/* Read a run of items (order[a .. b)): one item alone, or several small
+ * archives of one file through one pread into s->run.  A run that cannot be
+ * read whole (a short file) is read item by item, so that each reports its
+ * own error. */
+static void read_run(rjob *job, Py_ssize_t a, Py_ssize_t b, scratch *s)
+{
+    ritem *first = &job->items[job->order[a]];
+    int fd = job->fds[first->file];
+    if (fd < 0) {
+        for (Py_ssize_t k = a; k < b; k++) {
+            ritem *it = &job->items[job->order[k]];
+            if (it->code != RD_OK)
+                continue;
+            if (job->fwhy[it->file] != NULL)
+                fail(it, RD_CORRUPT, 0, job->fwhy[it->file]);
+            else
+                fail(it, RD_IO, -fd - 1, "open failed");
+        }
+        return;
+    }
+    if (b - a > 1 && s->run == NULL)
+        s->run = malloc(RUN_MAX);
+    if (b - a > 1 && s->run != NULL) {
+        uint64_t beg = first->offset, end = beg;
+        for (Py_ssize_t k = a; k < b; k++) {
+            ritem *it = &job->items[job->order[k]];
+            if (it->offset + it->length > end)
+                end = it->offset + it->length;
+        }
+        if (pread_all(fd, s->run, end - beg, beg) == 0) {
+            for (Py_ssize_t k = a; k < b; k++) {
+                ritem *it = &job->items[job->order[k]];
+                if (it->code == RD_OK)
+                    read_archive(job, it, s, s->run + (it->offset - beg));
+            }
+            return;
+        }
+    }
+    for (Py_ssize_t k = a; k < b; k++) {
+        ritem *it = &job->items[job->order[k]];
+        if (it->code == RD_OK)
+            read_one(job, it, s);
+    }
+}
+
 static void *rworker(void *arg)
 {
     rjob *job = arg;
     scratch s;
     s.buf = malloc(WHOLE_MAX > 2 * WINDOW ? WHOLE_MAX : 2 * WINDOW);
+    s.run = NULL;
     for (;;) {
-        long i = atomic_fetch_add(&job->next, 1);
-        if (i >= job->n)
+        long r = atomic_fetch_add(&job->next, 1);
+        if (r >= job->nruns)
             break;
-        ritem *it = &job->items[i];
         if (s.buf == NULL) {
-            fail(it, RD_IO, ENOMEM, "out of memory");
+            for (Py_ssize_t k = job->runs[r]; k < job->runs[r + 1]; k++)
+                fail(&job->items[job->order[k]], RD_IO, ENOMEM, "out of memory");
             continue;
         }
-        if (it->code == RD_OK && job->fds[it->file] < 0) {
-            if (job->fwhy[it->file] != NULL)
-                fail(it, RD_CORRUPT, 0, job->fwhy[it->file]);
-            else
-                fail(it, RD_IO, -job->fds[it->file] - 1, "open failed");
-            continue;
-        }
-        if (it->code == RD_OK)
-            read_one(job, it, &s);
+        read_run(job, job->runs[r], job->runs[r + 1], &s);
     }
     free(s.buf);
+    free(s.run);
     return NULL;
+}
+
+typedef struct {
+    Py_ssize_t file;
+    uint64_t offset;
+    Py_ssize_t index;
+} okey;
+
+static int okey_cmp(const void *pa, const void *pb)
+{
+    const okey *x = pa, *y = pb;
+    if (x->file != y->file)
+        return x->file < y->file ? -1 : 1;
+    if (x->offset != y->offset)
+        return x->offset < y->offset ? -1 : 1;
+    return x->index < y->index ? -1 : (x->index > y->index);
+}
+
+/* Fill job->order (items by file and offset) and job->runs.  -1 without
+ * memory (no exception set). */
+static int make_runs(rjob *job)
+{
+    Py_ssize_t n = job->n;
+    job->order = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    job->runs = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n + 1));
+    if (job->order == NULL || job->runs == NULL)
+        return -1;
+    int sorted = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        job->order[i] = i;
+        if (i > 0) {
+            const ritem *p = &job->items[i - 1], *q = &job->items[i];
+            if (q->file < p->file || (q->file == p->file && q->offset < p->offset))
+                sorted = 0;
+        }
+    }
+    if (!sorted) {
+        okey *keys = PyMem_RawMalloc(sizeof(okey) * (size_t)n);
+        if (keys == NULL)
+            return -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            keys[i].file = job->items[i].file;
+            keys[i].offset = job->items[i].offset;
+            keys[i].index = i;
+        }
+        qsort(keys, (size_t)n, sizeof(okey), okey_cmp);
+        for (Py_ssize_t i = 0; i < n; i++)
+            job->order[i] = keys[i].index;
+        PyMem_RawFree(keys);
+    }
+    Py_ssize_t nr = 0;
+    uint64_t beg = 0, end = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const ritem *it = &job->items[job->order[k]];
+        const ritem *prev = k ? &job->items[job->order[k - 1]] : NULL;
+        uint64_t e = it->offset + it->length;
+        int join = prev != NULL && prev->file == it->file &&
+                   prev->length <= WHOLE_MAX && it->length <= WHOLE_MAX &&
+                   e >= it->offset && it->offset <= end + RUN_GAP &&
+                   (e > end ? e : end) - beg <= RUN_MAX;
+        if (!join) {
+            job->runs[nr++] = k;
+            beg = it->offset;
+            end = e;
+        }
+        else if (e > end) {
+            end = e;
+        }
+    }
+    job->runs[nr] = n;
+    job->nruns = nr;
+    return 0;
 }
 
 static void run_threads(rjob *job, int nthreads)
 {
+    atomic_store(&job->next, 0);
     for (Py_ssize_t f = 0; f < job->nfiles; f++) {
         job->fds[f] = dcpx_open_regular(job->paths[f], &job->fwhy[f]);
         if (job->fds[f] < 0)
@@ -336,6 +488,8 @@ static void free_job(rjob *job)
     PyMem_RawFree(job->fds);
     PyMem_RawFree(job->fwhy);
     PyMem_RawFree(job->items);
+    PyMem_RawFree(job->order);
+    PyMem_RawFree(job->runs);
 }
 
 static int parse_paths(rjob *job, PyObject *paths)
@@ -373,6 +527,30 @@ static int parse_paths(rjob *job, PyObject *paths)
     return 0;
 }
 
+/* Run the job without the GIL; the failures as a list (items' own order). */
+static PyObject *execute(rjob *job, int nthreads)
+{
+    PyObject *out;
+    if (job->order == NULL && make_runs(job) < 0)
+        return PyErr_NoMemory();
+    if (nthreads > job->nruns)
+        nthreads = job->nruns > 0 ? (int)job->nruns : 1;
+    Py_BEGIN_ALLOW_THREADS
+    run_threads(job, nthreads);
+    Py_END_ALLOW_THREADS
+    out = PyList_New(0);
+    for (Py_ssize_t i = 0; out != NULL && i < job->n; i++) {
+        ritem *it = &job->items[i];
+        if (it->code == RD_OK)
+            continue;
+        PyObject *t = Py_BuildValue("(niis)", i, it->code, it->err, it->msg);
+        if (t == NULL || PyList_Append(out, t) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(t);
+    }
+    return out;
+}
+
 PyObject *dcpx_read_items(PyObject *Py_UNUSED(module), PyObject *args,
                           PyObject *kwds)
 {
@@ -406,23 +584,260 @@ PyObject *dcpx_read_items(PyObject *Py_UNUSED(module), PyObject *args,
         if (parse_item(&job, &job.items[i], PySequence_Fast_GET_ITEM(fast, i)) < 0)
             goto done;
     }
-    if (nthreads > n)
-        nthreads = n > 0 ? (int)n : 1;
-    Py_BEGIN_ALLOW_THREADS
-    run_threads(&job, nthreads);
-    Py_END_ALLOW_THREADS
-    out = PyList_New(0);
-    for (Py_ssize_t i = 0; out != NULL && i < job.n; i++) {
-        ritem *it = &job.items[i];
-        if (it->code == RD_OK)
-            continue;
-        PyObject *t = Py_BuildValue("(niis)", i, it->code, it->err, it->msg);
-        if (t == NULL || PyList_Append(out, t) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(t);
-    }
+    out = execute(&job, nthreads);
 done:
     Py_XDECREF(fast);
     free_job(&job);
+    return out;
+}
+
+/* ---------------------------------------------------------- read plans */
+
+typedef struct {
+    rjob job;                        /* paths, items (no destinations), runs */
+    Py_ssize_t *pos;                 /* per item: index of its destination */
+    int *ndim;
+    int *dtype_code;
+    uint32_t *itemsize;
+    Py_ssize_t *shape_at;            /* per item: where its shape starts in shape */
+    int64_t *shape;                  /* every item's dimensions, back to back */
+    size_t shape_len, shape_cap;
+    atomic_int busy;                 /* job.items in use by a run */
+} rplan;
+
+#define PLAN_NAME "dcpx.read_plan"
+
+static void free_plan(rplan *p)
+{
+    if (p == NULL)
+        return;
+    free_job(&p->job);
+    PyMem_RawFree(p->pos);
+    PyMem_RawFree(p->ndim);
+    PyMem_RawFree(p->dtype_code);
+    PyMem_RawFree(p->itemsize);
+    PyMem_RawFree(p->shape_at);
+    PyMem_RawFree(p->shape);
+    PyMem_RawFree(p);
+}
+
+static void plan_capsule_free(PyObject *cap)
+{
+    free_plan(PyCapsule_GetPointer(cap, PLAN_NAME));
+}
+
+/* Whether obj() is False. */
+static int method_false(PyObject *obj, PyObject *name)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(obj, name);
+    if (r == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(r);
+    return r == Py_False;
+}
+
+/* Take item i's destination from values; 0 if it is not what the plan was
+ * made for (no exception set). */
+static int bind_dest(rplan *p, Py_ssize_t i, ritem *it, PyObject *values,
+                     PyObject *exporter, PyObject *types, int record)
+{
+    static PyObject *is_neg, *is_conj;
+    if (is_neg == NULL && (is_neg = PyUnicode_InternFromString("is_neg")) == NULL)
+        return -1;
+    if (is_conj == NULL && (is_conj = PyUnicode_InternFromString("is_conj")) == NULL)
+        return -1;
+    if (p->pos[i] >= PySequence_Fast_GET_SIZE(values))
+        return 0;
+    PyObject *v = PySequence_Fast_GET_ITEM(values, p->pos[i]);
+    int typed = 0;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(types); k++)
+        typed |= (PyObject *)Py_TYPE(v) == PyTuple_GET_ITEM(types, k);
+    /* The exporter shares a tensor's memory whatever its neg / conj bit
+     * says; such a tensor must take the torch path. */
+    if (!typed || !method_false(v, is_neg) ||
+        ((record || p->dtype_code[i] == 5 /* kDLComplex */) && !method_false(v, is_conj)))
+        return 0;
+    PyObject *cap = PyObject_CallOneArg(exporter, v);
+    if (cap == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int rc = dcpx_view_from_object(cap, &it->dest, 1);
+    Py_DECREF(cap);
+    if (rc < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const dcpx_view *d = &it->dest;
+    if (record && d->ndim <= 16) {   /* read_plan: what later runs require */
+        if (p->shape_len + (size_t)d->ndim > p->shape_cap) {
+            size_t cap = 2 * p->shape_cap + 64;
+            int64_t *grown = PyMem_RawRealloc(p->shape, cap * sizeof(int64_t));
+            if (grown == NULL) {
+                dcpx_view_release(&it->dest);
+                PyErr_NoMemory();
+                return -1;
+            }
+            p->shape = grown;
+            p->shape_cap = cap;
+        }
+        p->ndim[i] = d->ndim;
+        p->dtype_code[i] = d->dtype_code;
+        p->itemsize[i] = d->itemsize;
+        p->shape_at[i] = (Py_ssize_t)p->shape_len;
+        for (int k = 0; k < d->ndim; k++)
+            p->shape[p->shape_len++] = d->shape[k];
+    }
+    if (!(d->device_type == DCPX_DL_CPU || d->device_type == DCPX_DL_CUDA_HOST) ||
+        !d->contiguous || d->ndim != p->ndim[i] || d->dtype_code != p->dtype_code[i] ||
+        d->itemsize != p->itemsize[i] ||
+        (d->ndim && memcmp(d->shape, &p->shape[p->shape_at[i]],
+                           sizeof(int64_t) * (size_t)d->ndim) != 0)) {
+        dcpx_view_release(&it->dest);
+        return 0;
+    }
+    it->code = RD_OK;
+    it->err = 0;
+    it->msg[0] = '\0';
+    return 1;
+}
+
+PyObject *dcpx_read_plan(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *paths, *items, *values, *exporter, *types, *fi = NULL, *fv = NULL;
+    PyObject *cap = NULL;
+    rplan *p = PyMem_RawCalloc(1, sizeof(rplan));
+
+    if (p == NULL)
+        return PyErr_NoMemory();
+    if (!PyArg_ParseTuple(args, "OOOOO!:read_plan", &paths, &items, &values, &exporter,
+                          &PyTuple_Type, &types))
+        goto done;
+    if (parse_paths(&p->job, paths) < 0)
+        goto done;
+    fi = PySequence_Fast(items, "dcpx: items must be a sequence");
+    fv = fi ? PySequence_Fast(values, "dcpx: values must be a sequence") : NULL;
+    if (fv == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fi);
+    size_t m = (size_t)(n ? n : 1);
+    p->job.items = PyMem_RawCalloc(m, sizeof(ritem));
+    p->pos = PyMem_RawCalloc(m, sizeof(Py_ssize_t));
+    p->ndim = PyMem_RawCalloc(m, sizeof(int));
+    p->dtype_code = PyMem_RawCalloc(m, sizeof(int));
+    p->itemsize = PyMem_RawCalloc(m, sizeof(uint32_t));
+    p->shape_at = PyMem_RawCalloc(m, sizeof(Py_ssize_t));
+    if (!p->job.items || !p->pos || !p->ndim || !p->dtype_code || !p->itemsize ||
+        !p->shape_at) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ritem *it = &p->job.items[i];
+        const char *stype;
+        Py_ssize_t slen;
+        unsigned long long off, len;
+        p->job.n = i + 1;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fi, i),
+                              "nKKs#n;dcpx: plan item must be (file, offset, "
+                              "length, storage_type, position)",
+                              &it->file, &off, &len, &stype, &slen, &p->pos[i]))
+            goto done;
+        if (it->file < 0 || it->file >= p->job.nfiles || p->pos[i] < 0) {
+            PyErr_SetString(PyExc_IndexError, "dcpx: plan item index out of range");
+            goto done;
+        }
+        if ((size_t)slen >= sizeof(it->storage_type)) {
+            PyErr_SetString(PyExc_ValueError, "dcpx: storage type name too long");
+            goto done;
+        }
+        memcpy(it->storage_type, stype, (size_t)slen + 1);
+        it->offset = off;
+        it->length = len;
+        int rc = bind_dest(p, i, it, fv, exporter, types, 1);
+        if (rc < 0)
+            goto done;
+        dcpx_view_release(&it->dest);
+        if (rc == 0) {                /* a destination the plan cannot take */
+            cap = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    if (make_runs(&p->job) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    cap = PyCapsule_New(p, PLAN_NAME, plan_capsule_free);
+    if (cap != NULL)
+        p = NULL;
+done:
+    Py_XDECREF(fi);
+    Py_XDECREF(fv);
+    free_plan(p);
+    return cap;
+}
+
+PyObject *dcpx_read_plan_run(PyObject *Py_UNUSED(module), PyObject *args,
+                             PyObject *kwds)
+{
+    static char *kwlist[] = {"plan", "values", "exporter", "types", "threads",
+                             "verify", NULL};
+    PyObject *cap, *values, *exporter, *types, *fast = NULL, *out = NULL;
+    int nthreads = 1, verify = 1, own = 0;
+    Py_ssize_t bound = 0;
+    rplan *p;
+    rjob job;
+
+    memset(&job, 0, sizeof(job));
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO!|ip:read_plan_run", kwlist,
+                                     &cap, &values, &exporter, &PyTuple_Type,
+                                     &types, &nthreads, &verify))
+        return NULL;
+    if (nthreads < 1 || nthreads > 64) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: threads must be in 1..64");
+        return NULL;
+    }
+    p = PyCapsule_GetPointer(cap, PLAN_NAME);
+    if (p == NULL)
+        return NULL;
+    fast = PySequence_Fast(values, "dcpx: values must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    job = p->job;                    /* shares paths, order, runs: read only */
+    job.verify = verify;
+    job.fds = PyMem_RawCalloc((size_t)job.nfiles + 1, sizeof(int));
+    job.fwhy = PyMem_RawCalloc((size_t)job.nfiles + 1, sizeof(char *));
+    if (atomic_exchange(&p->busy, 1) != 0) {   /* another thread runs it */
+        own = 1;
+        job.items = PyMem_RawMalloc(sizeof(ritem) * (size_t)(job.n ? job.n : 1));
+        if (job.items != NULL)
+            memcpy(job.items, p->job.items, sizeof(ritem) * (size_t)job.n);
+    }
+    if (job.fds == NULL || job.fwhy == NULL || job.items == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; bound < job.n; bound++) {
+        int rc = bind_dest(p, bound, &job.items[bound], fast, exporter, types, 0);
+        if (rc < 0)
+            goto done;
+        if (rc == 0) {
+            out = Py_NewRef(Py_None);
+            goto done;
+        }
+    }
+    out = execute(&job, nthreads);
+done:
+    for (Py_ssize_t i = 0; i < bound; i++)
+        dcpx_view_release(&job.items[i].dest);
+    PyMem_RawFree(job.fds);
+    PyMem_RawFree(job.fwhy);
+    if (own)
+        PyMem_RawFree(job.items);
+    else
+        atomic_store(&p->busy, 0);
+    Py_DECREF(fast);
     return out;
 }

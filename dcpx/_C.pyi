@@ -20,6 +20,22 @@ def read_items(
     threads: int = 1,
     verify: bool = True,
 ) -> list[Tuple[int, int, int, str]]: ...
+def read_plan(
+    paths: Sequence[str],
+    items: Sequence[Tuple[int, int, int, str, int]],
+    values: Sequence[Any],
+    exporter: Any,
+    types: Tuple[type, ...],
+    /,
+) -> Any: ...  # a capsule, or None
+def read_plan_run(
+    plan: Any,
+    values: Sequence[Any],
+    exporter: Any,
+    types: Tuple[type, ...],
+    threads: int = 1,
+    verify: bool = True,
+) -> list[Tuple[int, int, int, str]] | None: ...
 def check_pickle(data: bytes | bytearray | memoryview, /) -> None: ...
 def dump_metadata(metadata: Any, kinds: dict, protocol: int, /) -> bytes | None: ...
 def prefault(tensor: Any, threads: int = 1) -> None: ...

@@ -50,9 +50,17 @@ __all__ = ["save", "load"]
 _BYTES_MD = BytesStorageMetadata()
 
 
+#: types whose instances are never Stateful (no state_dict / load_state_dict)
+_NEVER_STATEFUL = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, bytes,
+                             type(None), dict, list, tuple})
+_PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def is_stateful(obj: Any) -> bool:
     """isinstance(obj, Stateful) without the runtime-Protocol cost for the
     common case (tensors, numbers, strings), which costs ~10 us per call."""
+    if type(obj) in _NEVER_STATEFUL:
+        return False
     if isinstance(obj, (torch.Tensor, int, float, str, bytes, type(None))):
         return False
     return isinstance(obj, Stateful)
@@ -289,30 +297,52 @@ def load(
         raise TypeError(f"dcpx.load: state_dict must be a dict, got {type(state_dict).__name__}")
     reader = _reader_for(storage_reader, checkpoint_id)
     keys = sorted(state_dict.keys())
-    stateful_sd = {k: (state_dict[k].state_dict() if is_stateful(state_dict[k])
-                       else state_dict[k]) for k in keys}
+    values = list(map(state_dict.__getitem__, keys))
+    if _NEVER_STATEFUL.issuperset(map(type, values)):  # the common case, at C speed
+        stateful_sd, any_stateful = dict(zip(keys, values)), False
+    else:
+        stateful_sd = {k: (v.state_dict() if is_stateful(v) else v)
+                       for k, v in zip(keys, values)}
+        any_stateful = True
+    del values
+    distributed = _dist_in_use(no_dist)
+    partial = getattr(planner, "allow_partial_load", False)
+    # One GC pause over the flattening and the local load: the ~2 objects
+    # per tensor they make are freed before it ends, so that its end does
+    # not start a collection that scans them (dcpx/_gc.py).
     with paused_gc():
         flat, mappings = flatten_state_dict(stateful_sd)
-    distributed = _dist_in_use(no_dist)
-    fast = (_default_planner(planner) and isinstance(reader, FileSystemReader)
-            and all((_dist.fast_value if distributed else _is_plain_or_value)(v)
-                    for v in flat.values()))
-    partial = getattr(planner, "allow_partial_load", False)
+        fast = (_default_planner(planner) and isinstance(reader, FileSystemReader)
+                and _all_fast(flat.values(), distributed))
+        if fast and not distributed:
+            with checkpoint_errors():
+                ck = _dist.open_checkpoint(reader)
+                _dist.load_flat(flat, mappings, stateful_sd, reader, ck, partial)
+            del ck
+            flat = mappings = None
     if fast and distributed:
         _dist.load(reader, flat, mappings, stateful_sd, process_group, partial)
-    elif fast:
-        with paused_gc(), checkpoint_errors():
-            metadata = reader.read_metadata()
-            reader.set_up_storage_reader(metadata, True)
-            _dist.load_flat(flat, mappings, stateful_sd, reader, metadata, partial)
-    else:
+    elif not fast:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             _torch_load(stateful_sd, storage_reader=reader, planner=planner,
                         process_group=process_group, no_dist=no_dist)
+    if not any_stateful:
+        state_dict.update(stateful_sd)
+        return
     for k in keys:
         elem = state_dict[k]
         if is_stateful(elem):
             elem.load_state_dict(stateful_sd[k])
         else:
             state_dict[k] = stateful_sd[k]
+
+
+def _all_fast(values, distributed: bool) -> bool:
+    """Every flat value is one dcpx's own load path handles (plain tensors,
+    DTensors when distributed, non-tensors): decided per type when no value
+    is a tensor subclass, per value otherwise."""
+    if all(t in _PLAIN_TENSOR_TYPES or not issubclass(t, torch.Tensor)
+           for t in set(map(type, values))):
+        return True
+    return all(map(_dist.fast_value if distributed else _is_plain_or_value, values))

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _metadata
+from . import _metadata, _readplan
 from ._files import DCP_VERSION
 from ._gc import paused_gc
 from ._pending import _Entry, tensor_payload, value_payload
@@ -804,17 +804,75 @@ def plan_reads(reader: FileSystemReader, metadata: Metadata, flat: dict,
 
 
 def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
-              metadata: Metadata, allow_partial_load: bool = False) -> None:
-    """Fill a flattened state dict, in place, from the checkpoint."""
-    reads, byte_keys = plan_reads(reader, metadata, flat, allow_partial_load)
+              ck: _readplan.Checkpoint, allow_partial_load: bool = False) -> None:
+    """Fill a flattened state dict, in place, from the checkpoint ``ck``
+    (``open_checkpoint``): through a compiled read plan when every tensor is
+    read whole and in place (cached per layout, dcpx/_readplan.py), else
+    planned here (resharding, casts, devices, views, and every error)."""
+    if _load_flat(flat, mappings, original, reader, ck, allow_partial_load):
+        # Loaded through a plan: the Metadata objects are not needed by
+        # the next load of this layout (dcpx/_readplan.py, Checkpoint).
+        ck.release()
+
+
+def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
+               ck: _readplan.Checkpoint, allow_partial_load: bool) -> bool:
+    """load_flat; whether it went through a plan."""
+    key = None if ck.no_plan else (tuple(flat), allow_partial_load)
+    plan = None if key is None else _readplan.get_plan(ck, key)
+    if plan is None and key is not None:
+        plan = _readplan.direct_plan(reader, ck, flat, allow_partial_load, key)
+    if plan is not None:
+        failures = _readplan.run_plan(reader, plan, flat)
+        if failures is not None and not failures:
+            _readplan.put_plan(ck, key, plan)
+            _load_values(flat, mappings, original, reader, ck, plan.byte_keys)
+            return True
+        # A destination changed (None) or a read failed: plan this load
+        # anew, which raises what a load without the cache raises.
+        _readplan.drop_plan(ck, key, failed=failures is not None)
+    reads, byte_keys = plan_reads(reader, ck.metadata, flat, allow_partial_load)
     reader.read_tensors(reads)
-    index = {k.fqn: v for k, v in metadata.storage_data.items() if k.offset is None}
+    _load_values(flat, mappings, original, reader, ck, byte_keys)
+    return False
+
+
+def _load_values(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
+                 ck: _readplan.Checkpoint, byte_keys: list) -> None:
+    if not byte_keys:
+        return
+    index = ck.byte_info()
     for fqn in byte_keys:
         info = index.get(fqn)
         if info is None:
             raise CorruptCheckpointError(
                 f"{reader.path}: metadata lists {fqn!r} but has no storage entry for it")
         set_element(original, mappings[fqn], reader.load_value(fqn, info))
+
+
+def open_checkpoint(reader: FileSystemReader, rank: Optional[int] = None,
+                    is_coordinator: bool = True) -> _readplan.Checkpoint:
+    """The checkpoint's metadata, checked, with ``reader`` set up for it:
+    the global ``.metadata``, or (as torch does, when rank is given and there
+    is none) this rank's own ``__{rank}.metadata`` from a
+    use_collectives=False save.  A FileSystemReader whose metadata and setup
+    methods are dcpx's own uses the cache of dcpx/_readplan.py."""
+    collective = True
+    if _readplan.cacheable(reader):
+        try:
+            ck = _readplan.checkpoint(reader)
+        except FileNotFoundError:
+            if rank is None or not (reader.path / f"__{rank}{_metadata.METADATA_FN}").exists():
+                raise
+            ck, collective = _readplan.checkpoint(reader, rank), False
+        reader._set_up_cached(ck, rank, collective)
+        return ck
+    metadata, collective = read_metadata(reader, rank)
+    reader.set_up_storage_reader(metadata, is_coordinator, rank=rank,
+                                 use_collectives=collective)
+    ck = _readplan.Checkpoint(None, b"", metadata, {})
+    ck.no_plan = True  # the reader may read its own way (a subclass)
+    return ck
 
 
 def read_metadata(reader: FileSystemReader, rank: Optional[int]) -> tuple[Metadata, bool]:
@@ -836,10 +894,8 @@ def load(reader: FileSystemReader, flat: dict, mappings: dict, original: dict, g
     own: Optional[BaseException] = None
     try:
         with paused_gc():
-            metadata, collective = read_metadata(reader, g.rank)
-            reader.set_up_storage_reader(metadata, g.is_coordinator, rank=g.rank,
-                                         use_collectives=collective)
-            load_flat(flat, mappings, original, reader, metadata, allow_partial_load)
+            ck = open_checkpoint(reader, g.rank, g.is_coordinator)
+            load_flat(flat, mappings, original, reader, ck, allow_partial_load)
         status = ("ok",)
     except Exception as e:
         own, status = e, _failure(g.rank, e)

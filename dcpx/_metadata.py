@@ -260,30 +260,49 @@ def loads(data: bytes, path: str) -> _md.Metadata:
 def _validate(md: Any) -> None:
     """Check the unpickled object graph has the types and shapes the loader
     relies on (a crafted pickle can build allowed classes without their
-    fields, or with fields of other types)."""
+    fields, or with fields of other types).
+
+    The unpickler builds only the allow-listed classes themselves, never
+    subclasses, so exact type tests are used (cheaper than isinstance), and
+    a TensorProperties shared by many tensors (dcpx writes one per distinct
+    dtype) is checked once."""
     if not isinstance(md, _md.Metadata):
         raise TypeError(f"the file holds a {type(md).__name__}, not DCP Metadata")
     if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict):
         raise TypeError("state_dict_metadata and storage_data must be dicts")
+    TSM, BSM, CSM = _md.TensorStorageMetadata, _md.BytesStorageMetadata, _md.ChunkStorageMetadata
+    Size, TP = torch.Size, _md.TensorProperties
+    good_props: set = set()
     for fqn, m in md.state_dict_metadata.items():
-        if not isinstance(fqn, str):
+        if type(fqn) is not str:
             raise TypeError(f"key {fqn!r} is not a string")
-        if isinstance(m, _md.TensorStorageMetadata):
-            if not (isinstance(m.properties, _md.TensorProperties)
-                    and isinstance(m.properties.dtype, torch.dtype)
-                    and isinstance(m.size, torch.Size) and isinstance(m.chunks, list)):
+        tm = type(m)
+        if tm is TSM:
+            p, size, chunks = m.properties, m.size, m.chunks
+            if id(p) not in good_props:
+                if not (type(p) is TP and isinstance(p.dtype, torch.dtype)):
+                    raise TypeError(f"tensor metadata of {fqn!r} is malformed")
+                good_props.add(id(p))  # p stays alive in md while this runs
+            if not (type(size) is Size and type(chunks) is list):
                 raise TypeError(f"tensor metadata of {fqn!r} is malformed")
-            for ch in m.chunks:
-                if not (isinstance(ch, _md.ChunkStorageMetadata)
-                        and isinstance(ch.offsets, torch.Size) and isinstance(ch.sizes, torch.Size)
-                        and len(ch.offsets) == len(ch.sizes) == len(m.size)
-                        and all(0 <= o and 0 <= n and o + n <= s for o, n, s in
-                                zip(ch.offsets, ch.sizes, m.size))):
+            ndim = len(size)
+            for ch in chunks:
+                if type(ch) is not CSM:
                     raise ValueError(f"chunk of {fqn!r} lies outside its tensor")
-        elif not isinstance(m, _md.BytesStorageMetadata):
+                off, sz = ch.offsets, ch.sizes
+                if not (type(off) is Size and type(sz) is Size
+                        and len(off) == len(sz) == ndim):
+                    raise ValueError(f"chunk of {fqn!r} lies outside its tensor")
+                if sz == size and not any(off) and (not ndim or min(size) >= 0):
+                    continue  # the whole tensor as one chunk
+                if not all(0 <= o and 0 <= n and o + n <= s for o, n, s in
+                           zip(off, sz, size)):
+                    raise ValueError(f"chunk of {fqn!r} lies outside its tensor")
+        elif tm is not BSM:
             raise TypeError(f"metadata of {fqn!r} is a {type(m).__name__}")
+    MI, SI = _md.MetadataIndex, _StorageInfo
     for index, info in md.storage_data.items():
-        if not (isinstance(index, _md.MetadataIndex) and isinstance(index.fqn, str)
-                and isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
+        if not (type(index) is MI and type(index.fqn) is str
+                and type(info) is SI and type(info.relative_path) is str
                 and type(info.offset) is int and type(info.length) is int):
             raise TypeError(f"storage entry {index!r} is malformed")

@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from . import _C, _metadata, _values
 from ._dtypes import _TO_DLPACK, dlpack_view, storage_type_name
-from ._files import _check_dir, local_path, read_regular, special_file_error
+from ._files import _check_dir, local_path, open_regular, read_regular, special_file_error
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
 
 
@@ -149,6 +149,7 @@ class FileSystemReader(StorageReader):
                  thread_count: Optional[int] = None, verify: bool = True,
                  allow_pickle: bool = False) -> None:
         super().__init__()
+        self._lazy: Any = None  # a dcpx._readplan.Checkpoint set up for, not yet decoded
         self.path = local_path(path)
         self.thread_count = thread_count or min(4, os.cpu_count() or 1)
         self.verify = verify
@@ -169,12 +170,20 @@ class FileSystemReader(StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        rank = kwargs.get("rank")
+        path, data, _ = self._read_metadata_file(kwargs.get("rank"))
+        md = _metadata.loads(data, str(path))
+        self._stamp(md)
+        return md
+
+    def _read_metadata_file(self, rank: Optional[int]) -> tuple:
+        """(path, bytes, os.stat_result) of the checkpoint's ``.metadata``
+        (``__{rank}.metadata`` when rank is given), read through one
+        descriptor of the regular file."""
         name = _metadata.METADATA_FN if rank is None else f"__{rank}{_metadata.METADATA_FN}"
         path = self.path / name
         _check_dir(self.path, create=False)
         try:
-            data = read_regular(path)
+            fd = open_regular(path)
         except FileNotFoundError:
             if not self.path.exists():
                 raise IncompleteCheckpointError(
@@ -183,20 +192,75 @@ class FileSystemReader(StorageReader):
             raise IncompleteCheckpointError(
                 2, f"dcpx: checkpoint at {self.path} is incomplete: it has no {name} "
                    f"(the save never committed, or was interrupted)", str(path)) from None
-        md = _metadata.loads(data, str(path))
+        try:
+            st = os.fstat(fd)
+            parts, got = [], 0
+            while got < st.st_size:
+                part = os.pread(fd, st.st_size - got, got)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+        finally:
+            os.close(fd)
+        return path, b"".join(parts), st
+
+    def _stamp(self, md: Metadata) -> None:
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
-        return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
                               *args: Any, **kwargs: Any) -> None:
+        self._set_up_checked(metadata, kwargs.get("rank"), kwargs.get("use_collectives", True))
+        self._validate_storage(metadata)
+
+    def _set_up_checked(self, metadata: Metadata, rank: Optional[int],
+                        use_collectives: bool) -> None:
+        """set_up_storage_reader for metadata whose storage entries were
+        checked already."""
         self.storage_data = metadata.storage_data
         self._state_dict_metadata = metadata.state_dict_metadata
         self._chunks = None
-        self.rank = kwargs.get("rank")
-        self.use_collectives = kwargs.get("use_collectives", True)
-        self._validate_storage(metadata)
+        self.rank = rank
+        self.use_collectives = use_collectives
+
+    def _set_up_cached(self, ck: Any, rank: Optional[int], use_collectives: bool) -> None:
+        """Set up for a checkpoint of dcpx._readplan's cache, checked
+        already: its Metadata (``storage_data``, the state dict metadata)
+        is decoded only if something here asks for it."""
+        self._lazy = ck
+        self._chunks = None
+        self.rank = rank
+        self.use_collectives = use_collectives
+
+    def _decode_lazy(self) -> None:
+        ck, self._lazy = self._lazy, None
+        md = ck.metadata
+        self._stamp(md)
+        self._storage_data = md.storage_data
+        self._sdm = md.state_dict_metadata
+
+    @property
+    def storage_data(self) -> dict:  # type: ignore[override]
+        if self._lazy is not None:
+            self._decode_lazy()
+        return self._storage_data
+
+    @storage_data.setter
+    def storage_data(self, value: dict) -> None:
+        self._lazy = None
+        self._storage_data = value
+
+    @property
+    def _state_dict_metadata(self) -> dict:
+        if self._lazy is not None:
+            self._decode_lazy()
+        return self._sdm
+
+    @_state_dict_metadata.setter
+    def _state_dict_metadata(self, value: dict) -> None:
+        self._sdm = value
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

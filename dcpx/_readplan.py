@@ -1,0 +1,283 @@
+"""Load once, plan once: the parsed, checked metadata of recently loaded
+checkpoints and, per destination layout, a compiled read plan.
+
+Loading the same checkpoint again (the same ``.metadata`` file, byte for
+byte) into a state dict of the same layout (the same keys in the same order,
+each tensor of the same dtype and shape in contiguous host memory) reuses:
+
+* the ``Metadata`` object: no unpickling, no ``_metadata._validate``, no
+  per-entry storage checks (``FileSystemReader._validate_storage``);
+* the read plan: a ``_C.read_plan`` capsule holding the files, each
+  archive's extent and storage type, where its destination sits in the flat
+  state dict, and the reads grouped into runs.  ``_C.read_plan_run`` takes
+  each destination's current memory (DLPack, from the tensor the state dict
+  holds now) and checks it against the plan; every archive is parsed and
+  every tensor's bytes CRC-checked on every load, as without the cache.
+
+What makes an entry valid (docs/design.md, "The read-plan cache"):
+
+* the ``.metadata`` file is read on every load, and its bytes and identity
+  (st_dev, st_ino, st_size, st_mtime_ns) must equal the cached ones: a new
+  save (a new file renamed in), or a rewrite with the same size and mtime,
+  misses;
+* every data file the metadata names has the identity (st_dev, st_ino,
+  st_size, st_mode, st_mtime_ns) it had when the entries were checked, else
+  the checkpoint is checked again from scratch;
+* a destination that is not what the plan was made for (another type,
+  dtype, shape, device, non-contiguous, a neg / conj bit) makes the run read
+  nothing and the load plan again;
+* a run that reports any failure (a CRC mismatch, a record the C reader
+  leaves to torch) turns the plan off for that checkpoint: the load, and
+  every later one, takes the uncached path, which raises exactly what a
+  load without the cache would.
+
+At most ``MAX_CHECKPOINTS`` checkpoints and ``MAX_PLANS`` layouts each are
+kept (least recently used first out).  ``clear()`` empties the cache.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from . import _C, _metadata
+from ._dtypes import _TO_DLPACK, _needs_int_view, storage_type_name
+
+MAX_CHECKPOINTS = 2
+MAX_PLANS = 4
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+_lock = threading.Lock()
+_cache: "OrderedDict[str, Checkpoint]" = OrderedDict()
+
+
+def clear() -> None:
+    """Forget every cached checkpoint and plan."""
+    with _lock:
+        _cache.clear()
+
+
+class Plan:
+    """A compiled read plan for one destination layout."""
+
+    __slots__ = ("capsule", "byte_keys")
+
+    def __init__(self, capsule: Any, byte_keys: list) -> None:
+        self.capsule = capsule
+        self.byte_keys = byte_keys
+
+
+class Checkpoint:
+    """One ``.metadata`` file as parsed and checked, and its plans.
+
+    After a load through a plan, a cached checkpoint keeps its bytes, not
+    its ``Metadata`` objects (~20 per tensor): ``release()`` drops them
+    inside the load's GC pause, so that they are neither kept in memory
+    nor scanned by the collector when the pause ends; ``metadata`` decodes
+    them again when a load has to plan (another layout).  A load planned by
+    ``_dist.plan_reads`` (casts, resharding, CUDA) keeps them for the next
+    one."""
+
+    __slots__ = ("ident", "raw", "where", "_md", "files", "plans", "no_plan", "byte_index",
+                 "whole_index", "no_direct")
+
+    def __init__(self, ident: Optional[tuple], raw: bytes, metadata: Metadata, files: dict,
+                 where: str = "") -> None:
+        self.ident = ident            # None: not cached (metadata kept as given)
+        self.raw = raw
+        self.where = where
+        self._md: Optional[Metadata] = metadata
+        self.files = files            # data file name -> identity when checked
+        self.plans: OrderedDict = OrderedDict()
+        self.no_plan = False          # a plan run failed: plan every load
+        self.no_direct: OrderedDict = OrderedDict()  # layouts read_plan refused
+        self.byte_index: Optional[dict] = None
+        self.whole_index: Optional[dict] = None
+
+    @property
+    def metadata(self) -> Metadata:
+        md = self._md
+        if md is None:  # the same bytes, checked when first cached
+            md = self._md = _metadata.loads(self.raw, self.where)
+        return md
+
+    def release(self) -> None:
+        if self.ident is not None:
+            self._md = None
+            self.whole_index = None
+
+    def whole_chunks(self) -> dict:
+        """fqn -> storage info of every non-empty tensor saved as one
+        chunk covering all of it."""
+        if self.whole_index is None:
+            sdm = self.metadata.state_dict_metadata
+            index = {}
+            for k, v in self.metadata.storage_data.items():
+                md = sdm.get(k.fqn)
+                if type(md) is TensorStorageMetadata and len(md.chunks) == 1:
+                    ch = md.chunks[0]
+                    if (ch.sizes == md.size and not any(ch.offsets)
+                            and tuple(k.offset or ()) == tuple(ch.offsets)
+                            and md.size.numel() > 0):
+                        index[k.fqn] = v
+            self.whole_index = index
+        return self.whole_index
+
+    def byte_info(self) -> dict:
+        """fqn -> storage info of every non-tensor value."""
+        if self.byte_index is None:
+            self.byte_index = {k.fqn: v for k, v in self.metadata.storage_data.items()
+                               if k.offset is None}
+        return self.byte_index
+
+
+def _file_ident(st: os.stat_result) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mode, st.st_mtime_ns)
+
+
+def _files_unchanged(directory, files: dict) -> bool:
+    for name, ident in files.items():
+        try:
+            if _file_ident(os.lstat(directory / name)) != ident:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def checkpoint(reader, rank: Optional[int] = None) -> Checkpoint:
+    """The checkpoint ``reader`` points at (its ``__{rank}.metadata`` when
+    rank is given), checked as ``read_metadata`` + ``set_up_storage_reader``
+    check it: from the cache when its files are unchanged."""
+    path, raw, st = reader._read_metadata_file(rank)
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = str(path)
+    with _lock:
+        ck = _cache.get(key)
+        if ck is not None:
+            _cache.move_to_end(key)
+    if (ck is not None and ck.ident == ident and ck.raw == raw
+            and _files_unchanged(reader.path, ck.files)):
+        return ck
+    md = _metadata.loads(raw, key)
+    reader._validate_storage(md)
+    names = {info.relative_path for info in md.storage_data.values()}
+    files = {}
+    for name in names:
+        try:
+            files[name] = _file_ident(os.lstat(reader.path / name))
+        except OSError:  # gone since it was checked: do not cache
+            ck = Checkpoint(None, raw, md, {})
+            ck.no_plan = True
+            return ck
+    ck = Checkpoint(ident, raw, md, files, key)
+    with _lock:
+        _cache[key] = ck
+        _cache.move_to_end(key)
+        while len(_cache) > MAX_CHECKPOINTS:
+            _cache.popitem(last=False)
+    return ck
+
+
+def cacheable(reader) -> bool:
+    """Whether ``reader`` reads metadata and sets itself up as dcpx's
+    FileSystemReader does (a subclass may override either)."""
+    from ._reader import FileSystemReader
+    cls = type(reader)
+    return (isinstance(reader, FileSystemReader)
+            and cls.read_metadata is FileSystemReader.read_metadata
+            and cls.set_up_storage_reader is FileSystemReader.set_up_storage_reader
+            and cls.read_tensors is FileSystemReader.read_tensors
+            and "read_metadata" not in vars(reader)
+            and "set_up_storage_reader" not in vars(reader))
+
+
+def get_plan(ck: Checkpoint, key: tuple) -> Optional[Plan]:
+    with _lock:
+        plan = ck.plans.get(key)
+        if plan is not None:
+            ck.plans.move_to_end(key)
+        return plan
+
+
+def put_plan(ck: Checkpoint, key: tuple, plan: Optional[Plan]) -> None:
+    if plan is None or ck.ident is None:
+        return
+    with _lock:
+        if ck.no_plan:
+            return
+        ck.plans[key] = plan
+        ck.plans.move_to_end(key)
+        while len(ck.plans) > MAX_PLANS:
+            ck.plans.popitem(last=False)
+
+
+def drop_plan(ck: Checkpoint, key: tuple, failed: bool) -> None:
+    """Forget the plan for ``key``; all of them, for good, if a run failed."""
+    with _lock:
+        ck.plans.pop(key, None)
+        if failed:
+            ck.no_plan = True
+            ck.plans.clear()
+
+
+def direct_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool,
+                key: tuple) -> Optional[Plan]:
+    """A plan for loading ``flat`` when every tensor in it is read whole and
+    in place: a plain host tensor of its saved dtype and shape, saved as one
+    chunk, neither empty nor a neg / conj view.  None otherwise (and for
+    every error case), so that ``_dist.plan_reads`` plans it and raises
+    what torch would."""
+    if _TO_DLPACK is None or key in ck.no_direct:
+        return None
+    sdm = ck.metadata.state_dict_metadata
+    whole = ck.whole_chunks()
+    files: dict = {}
+    items, byte_keys = [], []
+    for pos, (fqn, obj) in enumerate(flat.items()):
+        md = sdm.get(fqn)
+        if md is None:
+            if allow_partial_load:
+                continue
+            return None
+        if type(md) is not TensorStorageMetadata:
+            byte_keys.append(fqn)
+            continue
+        info = whole.get(fqn)
+        dtype = md.properties.dtype
+        if (info is None or type(obj) not in _PLAIN_TYPES or obj.dtype is not dtype
+                or obj.shape != md.size or _needs_int_view(dtype)):
+            return None
+        fidx = files.get(info.relative_path)
+        if fidx is None:
+            fidx = files[info.relative_path] = len(files)
+        items.append((fidx, info.offset, info.length, storage_type_name(dtype), pos))
+    if byte_keys:
+        ck.byte_info()  # kept by release()
+    # The Metadata objects are not needed any more: released before the
+    # plan's arrays are allocated, so that the two do not add up at the
+    # load's peak of memory.
+    sdm = whole = md = info = obj = None
+    ck.release()
+    paths = [str(reader.path / p) for p in files]
+    capsule = _C.read_plan(paths, items, list(flat.values()), _TO_DLPACK, _PLAIN_TYPES)
+    if capsule is None:  # e.g. CUDA or non-contiguous destinations: do not try again
+        with _lock:
+            ck.no_direct[key] = True
+            while len(ck.no_direct) > MAX_PLANS:
+                ck.no_direct.popitem(last=False)
+        return None
+    return Plan(capsule, byte_keys)
+
+
+def run_plan(reader, plan: Plan, flat: dict) -> Optional[list]:
+    """Read every tensor of ``plan`` into ``flat``'s tensors.  None when a
+    destination is not what the plan was made for (nothing was read), else
+    the C reader's failures (empty: all read and checked)."""
+    return _C.read_plan_run(plan.capsule, list(flat.values()), _TO_DLPACK, _PLAIN_TYPES,
+                            threads=reader.thread_count, verify=reader.verify)
