@@ -149,8 +149,10 @@ class PendingWrite:
         self.job.start()
         return self
 
-    def wait(self) -> list[WriteResult]:
-        """Join the writer threads; on failure remove this save's files."""
+    def wait(self, results: bool = True) -> Optional[list[WriteResult]]:
+        """Join the writer threads; on failure remove this save's files.
+        Returns ``results`` (torch's WriteResults, one object pair per entry:
+        not built when the caller has its own storage data, ``results=False``)."""
         try:
             self.job.wait()
         except BaseException:
@@ -158,7 +160,7 @@ class PendingWrite:
             raise
         finally:
             self.job.release()
-        return self.results
+        return self.results if results else None
 
     def abort(self) -> None:
         """Stop the writer threads and remove this save's files."""

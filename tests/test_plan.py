@@ -1,0 +1,192 @@
+"""dcpx's one save planner (dcpx/_plan.py): the one rule for which values
+dcpx plans itself, and the reuse of a single-process save's plan by the
+next save of the same layout.
+
+Reuse must never write what a fresh plan would not: every save below is
+loaded back bit for bit with dcpx and with torch's own reader, after the
+layout changed in each way that changes the plan (a key added, removed or
+renamed, a shape, dtype or requires_grad changed), and in the ways that
+must not reuse stale data (a tensor replaced at the same key, a non-tensor
+value changed, non-contiguous strides, another directory)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as tdcp
+
+import dcpx
+from conftest import assert_state_bit_equal, empty_like_state, fast_writer, resolved
+from dcpx import _api, _dist
+
+
+class Plain(torch.Tensor):
+    """A tensor subclass with its own storage and no __tensor_flatten__."""
+
+
+class Wrapper(torch.Tensor):
+    """A subclass that says it wraps other tensors (as Float8 / NF4 do)."""
+
+    def __tensor_flatten__(self):
+        return [], None
+
+
+def _values():
+    base = torch.arange(6.0)
+    return {
+        "tensor": base,
+        "param": torch.nn.Parameter(base.clone()),
+        "subclass": base.clone().as_subclass(Plain),
+        "wrapper": base.clone().as_subclass(Wrapper),
+        "int": 3,
+        "str": "x",
+        "list": [1, 2],
+    }
+
+
+@pytest.mark.parametrize("name", list(_values()))
+def test_one_rule_for_one_process_and_for_several_ranks(name):
+    # Before: _api._is_plain_tensor took unknown subclasses, _dist.fast_value
+    # refused them, so one value was planned by dcpx alone and by torch with ranks.
+    v = _values()[name]
+    assert _api._is_plain_or_value(v) == _dist.fast_value(v)
+    assert _dist.fast_value(v) == (name != "wrapper")
+
+
+def _load_both(path, want):
+    """Load ``path`` with dcpx and with torch's reader; both bit-exact."""
+    got = empty_like_state(want)
+    dcpx.load(got, checkpoint_id=path)
+    assert_state_bit_equal(got, resolved(want))
+    got = empty_like_state(want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.load(got, storage_reader=tdcp.FileSystemReader(path), no_dist=True)
+    assert_state_bit_equal(got, resolved(want))
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {f"w{i}": torch.randn(3 + i, 4, generator=g) for i in range(6)},
+        "opt": {"step": 7, "lr": [0.1, 0.2], "m": torch.randn(5, generator=g)},
+        "i8": torch.randint(-100, 100, (9,), dtype=torch.int8, generator=g),
+    }
+
+
+def _shared(m1, m2, key):
+    return m1.state_dict_metadata[key] is m2.state_dict_metadata[key]
+
+
+def _change(name, sd):
+    """Change ``sd`` in place in one way; whether the plan may be reused."""
+    if name == "same":
+        sd["model"]["w0"].add_(1)               # new values, same layout
+        return True
+    if name == "replaced":
+        sd["model"]["w1"] = torch.randn(4, 4)   # another tensor, same shape
+        return True
+    if name == "value":
+        sd["opt"]["step"] = 10 ** 30            # a longer pickle: offsets move
+        sd["opt"]["lr"] = [0.3] * 50
+        return True
+    if name == "strides":
+        sd["model"]["w2"] = torch.randn(4, 5).t()   # same shape (5, 4), transposed
+        return True
+    if name == "added":
+        sd["model"]["w9"] = torch.randn(2)
+        return False
+    if name == "removed":
+        del sd["model"]["w3"]
+        return False
+    if name == "renamed":
+        sd["model"]["w3x"] = sd["model"].pop("w3")
+        return False
+    if name == "reordered":
+        sd["model"] = dict(reversed(sd["model"].items()))
+        return False
+    if name == "shape":
+        sd["model"]["w4"] = torch.randn(8, 4)
+        return False
+    if name == "dtype":
+        sd["model"]["w5"] = sd["model"]["w5"].double()
+        return False
+    if name == "requires_grad":
+        sd["opt"]["m"] = torch.nn.Parameter(sd["opt"]["m"])
+        return False
+    if name == "tensor_to_value":
+        sd["i8"] = 5
+        return False
+    raise AssertionError(name)
+
+
+CHANGES = ["same", "replaced", "value", "strides", "added", "removed", "renamed",
+           "reordered", "shape", "dtype", "requires_grad", "tensor_to_value"]
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_plan_reused_only_when_the_layout_is_the_same(tmp_path, change, threads):
+    sd = _state()
+    p1, p2 = str(tmp_path / "a"), str(tmp_path / "b")
+    m1 = dcpx.save(sd, storage_writer=fast_writer(p1, thread_count=threads))
+    _load_both(p1, sd)
+    reusable = _change(change, sd)
+    m2 = dcpx.save(sd, storage_writer=fast_writer(p2, thread_count=threads))
+    _load_both(p2, sd)
+    # The metadata of an unchanged tensor is the previous save's own object
+    # exactly when the plan was reused.
+    assert _shared(m1, m2, "model.w0") == reusable
+    # and the same directory again, after the change
+    m3 = dcpx.save(sd, storage_writer=fast_writer(p1, thread_count=threads))
+    assert _shared(m2, m3, "model.w0")
+    _load_both(p1, sd)
+
+
+def test_plan_not_reused_across_writer_configurations(tmp_path):
+    sd = _state()
+    m1 = dcpx.save(sd, storage_writer=fast_writer(str(tmp_path / "a"), thread_count=1))
+    m2 = dcpx.save(sd, storage_writer=fast_writer(str(tmp_path / "b"), thread_count=2))
+    m3 = dcpx.save(sd, storage_writer=fast_writer(str(tmp_path / "c"), thread_count=2,
+                                                  single_file_per_rank=False))
+    assert not _shared(m1, m2, "model.w0") and not _shared(m2, m3, "model.w0")
+    assert len({si.relative_path for si in m3.storage_data.values()}) == 10
+    assert len({si.relative_path for si in m2.storage_data.values()}) == 2
+    for p in "abc":
+        _load_both(str(tmp_path / p), sd)
+
+
+def test_returned_metadata_does_not_change_the_next_save(tmp_path):
+    sd = _state()
+    m1 = dcpx.save(sd, storage_writer=fast_writer(str(tmp_path / "a")))
+    m1.state_dict_metadata.clear()
+    m1.storage_data.clear()
+    m2 = dcpx.save(sd, storage_writer=fast_writer(str(tmp_path / "b")))
+    assert len(m2.state_dict_metadata) == 10 and len(m2.storage_data) == 10
+    _load_both(str(tmp_path / "b"), sd)
+
+
+def test_many_saves_alternating_layouts_load_exactly(tmp_path):
+    # More layouts than the cache keeps: plans are evicted and rebuilt.
+    layouts = [_state(seed) for seed in range(3)]
+    for s, sd in enumerate(layouts):
+        for k in range(s):
+            sd["model"][f"extra{k}"] = torch.full((k + 1,), float(k))
+    layouts += [{"only": torch.ones(3)}, {"x": 1}, {}]
+    for rnd in range(3):
+        for i, sd in enumerate(layouts):
+            for t in sd.get("model", {}).values():
+                t.add_(1)
+            path = str(tmp_path / f"r{rnd}l{i}")
+            dcpx.save(sd, storage_writer=fast_writer(path, thread_count=1 + i % 2))
+            _load_both(path, sd)
+
+
+def test_async_save_reuses_and_writes_each_saves_values(tmp_path):
+    sd = _state()
+    for i in range(3):
+        sd["model"]["w0"].fill_(float(i))
+        path = str(tmp_path / f"s{i}")
+        dcpx.async_save(sd, checkpoint_id=path).result()
+        _load_both(path, sd)
