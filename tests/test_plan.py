@@ -190,3 +190,31 @@ def test_async_save_reuses_and_writes_each_saves_values(tmp_path):
         path = str(tmp_path / f"s{i}")
         dcpx.async_save(sd, checkpoint_id=path).result()
         _load_both(path, sd)
+
+
+# ------------------------------------------------------------ payloads
+
+def test_direct_payload_keeps_every_refusal_after_its_dtype_was_seen(tmp_path):
+    # The unchecked path (_pending._direct_payload) takes float32 once a
+    # float32 tensor was checked; what is not a plain dense CPU tensor must
+    # still be refused, naming the key.
+    dcpx.save({"ok": torch.ones(2)}, storage_writer=fast_writer(str(tmp_path / "a")))
+    bad = {
+        "meta": (torch.empty(3, device="meta"), ValueError),
+        "sparse": (torch.ones(3).to_sparse(), TypeError),
+        "nested": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), TypeError),
+    }
+    for name, (t, exc) in bad.items():
+        with pytest.raises(Exception, match=name) as info:
+            dcpx.save({name: t}, storage_writer=fast_writer(str(tmp_path / name)))
+        assert isinstance(info.value, exc) or exc.__name__ in str(info.value)
+
+
+def test_direct_payload_resolves_views_and_grads(tmp_path):
+    c = torch.randn(4, dtype=torch.complex64)
+    sd = {"c": c, "conj": c.conj(), "neg": c.conj().imag, "t": torch.randn(3, 5).t(),
+          "p": torch.nn.Parameter(torch.randn(4)), "g": torch.randn(3, requires_grad=True) * 2}
+    for i in range(2):  # the second save: every dtype seen, plan reused
+        path = str(tmp_path / f"s{i}")
+        dcpx.save(sd, storage_writer=fast_writer(path))
+        _load_both(path, {k: v.detach() for k, v in sd.items()})
