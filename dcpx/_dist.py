@@ -483,14 +483,40 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     return metadata
 
 
+# The coordinator's last global plans, by the ranks' encoded plans (items
+# and flatten mappings, byte for byte): a save whose ranks send exactly what
+# they sent for one of these reuses its global plan instead of decoding the
+# items and planning again.  Never changed once made (_commit copies the
+# dicts it hands out).  Bounded: 2 plans.
+_GLOBAL_PLANS: list = []
+_global_plans_lock = threading.Lock()
+
+
+def _reused_global_plan(blobs: tuple) -> Optional[GlobalPlan]:
+    with _global_plans_lock:
+        for known, plan in _GLOBAL_PLANS:
+            if known == blobs:
+                return plan
+    return None
+
+
+def _remember_global_plan(blobs: tuple, plan: GlobalPlan) -> None:
+    with _global_plans_lock:
+        _GLOBAL_PLANS.insert(0, (blobs, plan))
+        del _GLOBAL_PLANS[2:]
+
+
 def _coordinate(writer: FileSystemWriter, gathered: list) -> tuple:
     errors = [m[1] for m in gathered if m[0] != "ok"]
     if errors:
         return None, [("err", errors)] * len(gathered)
-    blobs = [m[1] for m in gathered]
-    first = pickle.loads(blobs[0])
-    decoded = [first if b == blobs[0] else pickle.loads(b) for b in blobs]
-    plan = global_plan([d[0] for d in decoded], [d[1] for d in decoded])
+    blobs = tuple(m[1] for m in gathered)
+    plan = _reused_global_plan(blobs)
+    if plan is None:
+        first = pickle.loads(blobs[0])
+        decoded = [first if b == blobs[0] else pickle.loads(b) for b in blobs]
+        plan = global_plan([d[0] for d in decoded], [d[1] for d in decoded])
+        _remember_global_plan(blobs, plan)
     tag = writer._tag()
     replies = [("ok", writer._prefix(r, tag), plan.assign[r]) for r in range(len(blobs))]
     return plan, replies
@@ -509,8 +535,9 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
         for r, (_, names, layout) in enumerate(gathered):
             for i, f, off, length in layout:
                 storage_data[plan.index[(r, i)]] = _StorageInfo(names[f], off, length)
-        metadata = Metadata(state_dict_metadata=plan.state_dict_metadata,
-                            planner_data=plan.planner_data, storage_data=storage_data,
+        # Own dicts: the plan may be reused by the next save (_GLOBAL_PLANS).
+        metadata = Metadata(state_dict_metadata=dict(plan.state_dict_metadata),
+                            planner_data=dict(plan.planner_data), storage_data=storage_data,
                             storage_meta=writer.storage_meta(), version=DCP_VERSION)
         data = writer.encode_metadata(metadata)
     except Exception as e:

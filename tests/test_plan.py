@@ -247,3 +247,31 @@ def test_archives_of_repeated_shapes_are_whole_and_distinct(tmp_path):
                 assert f.read()
     assert len(ids) == len(sd)
     _load_both(path, sd)
+
+
+# ------------------------------------------------------------ several ranks
+
+def test_coordinator_reuses_the_global_plan_of_identical_rank_plans(tmp_path):
+    import pickle
+
+    def blob(items, mappings):
+        return pickle.dumps((items, mappings), protocol=pickle.HIGHEST_PROTOCOL)
+
+    def coordinate(items, mappings):
+        w = dcpx.FileSystemWriter(str(tmp_path / "c"))
+        try:
+            plan, replies = _dist._coordinate(w, [("ok", blob(items, mappings), "c")] * 2)
+        finally:
+            w._release_tag()
+        assert [r[0] for r in replies] == ["ok", "ok"]
+        return plan
+
+    items = [_dist.LocalItem(f"p{i}", (0,), (4,), (4,), torch.float32, False, False, 16)
+             for i in range(5)]
+    plan1 = coordinate(items, {"p0": ("p0",)})
+    assert coordinate(items, {"p0": ("p0",)}) is plan1           # same plans: reused
+    changed = items[:4] + [items[4]._replace(sizes=(8,), size=(8,), nbytes=32)]
+    plan3 = coordinate(changed, {"p0": ("p0",)})
+    assert plan3 is not plan1 and plan3.state_dict_metadata["p4"].size == torch.Size([8])
+    plan4 = coordinate(items, {"p0": ("q", "p0")})                # mappings differ
+    assert plan4 is not plan1 and plan4.planner_data == {"p0": ("q", "p0")}
