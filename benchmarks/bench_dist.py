@@ -105,9 +105,9 @@ def _rank_main(rank: int, ws: int, port: int, impl: str, layout: str, count: int
                 self._t0 = time.perf_counter()
                 return start(self)
 
-            def timed_wait(self):
+            def timed_wait(self, *a, **kw):
                 try:
-                    return wait(self)
+                    return wait(self, *a, **kw)
                 finally:
                     write_times.append(time.perf_counter() - self._t0)
             fs.PendingWrite.start, fs.PendingWrite.wait = timed_start, timed_wait

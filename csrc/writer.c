@@ -357,7 +357,33 @@ static void *worker(void *arg)
 
 /* ---- Python type ---- */
 
-static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial)
+/* Archives built so far in this WriteJob's constructor, by storage type
+ * and shape: a later tensor of the same ones gets a clone (state dicts
+ * repeat a few shapes many times).  The sources are items of this job,
+ * not yet CRC-patched (no thread has started). */
+#define NTEMPLATES 8
+typedef struct {
+    const char *stype[NTEMPLATES];   /* borrowed from the items' tuples */
+    const witem *item[NTEMPLATES];
+    int next;
+} templates;
+
+static const dcpx_archive *find_template(const templates *tp, const char *stype,
+                                         const dcpx_view *v)
+{
+    for (int i = 0; i < NTEMPLATES; i++) {
+        const witem *t = tp->item[i];
+        if (t != NULL && t->view.ndim == v->ndim && t->view.nbytes == v->nbytes &&
+            (v->ndim == 0 ||
+             memcmp(t->view.shape, v->shape, (size_t)v->ndim * sizeof(int64_t)) == 0) &&
+            strcmp(tp->stype[i], stype) == 0)
+            return &t->arc;
+    }
+    return NULL;
+}
+
+static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial,
+                    templates *tp)
 {
     if (PyBytes_Check(obj)) {
         it->bytes = PyBytes_AS_STRING(obj);
@@ -393,16 +419,24 @@ static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial)
                      it->view.device_type);
         return -1;
     }
-    if (dcpx_archive_build(&it->arc, stype, it->view.shape, it->view.ndim,
-                           it->view.numel, it->view.nbytes, serial) < 0) {
+    const dcpx_archive *src = find_template(tp, stype, &it->view);
+    if (src != NULL ? dcpx_archive_clone(&it->arc, src, serial) < 0
+                    : dcpx_archive_build(&it->arc, stype, it->view.shape, it->view.ndim,
+                                         it->view.numel, it->view.nbytes, serial) < 0) {
         PyErr_NoMemory();
         return -1;
+    }
+    if (src == NULL) {
+        tp->stype[tp->next] = stype;
+        tp->item[tp->next] = it;
+        tp->next = (tp->next + 1) % NTEMPLATES;
     }
     it->length = it->arc.head_len + it->view.nbytes + it->arc.tail_len;
     return 0;
 }
 
-static int add_file(WriteJob *self, wfile *f, PyObject *spec, uint64_t *serial)
+static int add_file(WriteJob *self, wfile *f, PyObject *spec, uint64_t *serial,
+                    templates *tp)
 {
     PyObject *path, *items, *fast;
     uint64_t off = 0;
@@ -432,7 +466,7 @@ static int add_file(WriteJob *self, wfile *f, PyObject *spec, uint64_t *serial)
         witem *it = &f->items[i];
         f->n = i + 1; /* so that dealloc releases what was taken */
         if (add_item(self, it, PySequence_Fast_GET_ITEM(fast, i),
-                     (*serial)++) < 0) {
+                     (*serial)++, tp) < 0) {
             Py_DECREF(fast);
             return -1;
         }
@@ -504,10 +538,12 @@ static int WriteJob_init(WriteJob *self, PyObject *args, PyObject *kwds)
         PyErr_NoMemory();
         goto fail;
     }
+    templates tp;
+    memset(&tp, 0, sizeof(tp));
     for (Py_ssize_t i = 0; i < n; i++) {
         self->nfiles = i + 1;
         if (add_file(self, &self->files[i], PySequence_Fast_GET_ITEM(fast, i),
-                     &serial) < 0)
+                     &serial, &tp) < 0)
             goto fail;
     }
     self->nthreads = nthreads < n ? nthreads : (int)(n ? n : 1);

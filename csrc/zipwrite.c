@@ -345,11 +345,14 @@ int dcpx_archive_build(dcpx_archive *a, const char *storage_type,
 
     uint64_t base = head.len + nbytes; /* tail starts here */
     small_record(&tail, base, &r[5], "3\n");
+    a->sid_crc_local = tail.len + 14; /* after signature..date */
     small_record(&tail, base, &r[6], sid);
+    a->sid_pos = tail.len - 40;
     uint64_t cd_off = base + tail.len;
     size_t cd_start = tail.len;
     for (int i = 0; i < NREC; i++)
-        central_entry(&tail, &r[i], i == 4 ? &a->crc_pos_tail : NULL);
+        central_entry(&tail, &r[i], i == 4 ? &a->crc_pos_tail
+                                           : i == 6 ? &a->sid_crc_central : NULL);
     uint64_t cd_len = tail.len - cd_start;
     end_records(&tail, cd_off, cd_len, base + tail.len);
     if (head.oom || tail.oom)
@@ -381,9 +384,33 @@ void dcpx_archive_patch_crc(dcpx_archive *a, uint32_t crc)
     store32(a->tail + a->crc_pos_tail, crc);
 }
 
+int dcpx_archive_clone(dcpx_archive *a, const dcpx_archive *src, uint64_t serial)
+{
+    char sid[48];
+    char *p = malloc(src->head_len + src->tail_len);
+
+    if (p == NULL) {
+        errno = ENOMEM;
+        return -1;
+    }
+    *a = *src;
+    a->head = p;
+    a->tail = p + src->head_len;
+    a->joint = 1;
+    memcpy(a->head, src->head, src->head_len);
+    memcpy(a->tail, src->tail, src->tail_len);
+    snprintf(sid, sizeof(sid), "%040llu", (unsigned long long)serial);
+    memcpy(a->tail + a->sid_pos, sid, 40);
+    uint32_t crc = dcpx_crc32(0, sid, 40);
+    store32(a->tail + a->sid_crc_local, crc);
+    store32(a->tail + a->sid_crc_central, crc);
+    return 0;
+}
+
 void dcpx_archive_free(dcpx_archive *a)
 {
     free(a->head);
-    free(a->tail);
+    if (!a->joint)
+        free(a->tail);
     a->head = a->tail = NULL;
 }

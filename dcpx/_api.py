@@ -21,11 +21,7 @@ from typing import Any, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    MetadataIndex,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 
 # torch's own save / load, captured once from their defining modules: a
 # script may replace torch.distributed.checkpoint.save / load (and the
@@ -35,20 +31,18 @@ from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _dist, _locks, _metadata
-from ._files import DCP_VERSION, LOCAL_PROTOCOLS, url_protocol
+from . import _dist, _locks, _plan
+from ._files import LOCAL_PROTOCOLS, url_protocol
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
-from ._pending import _Entry, tensor_payload, value_payload
+from ._pending import tensor_payload
+from ._plan import plan_local_save
 from ._reader import FileSystemReader
 from ._writer import FileSystemWriter
 from .errors import checkpoint_errors
 
 
 __all__ = ["save", "load"]
-
-_BYTES_MD = BytesStorageMetadata()
-
 
 #: types whose instances are never Stateful (no state_dict / load_state_dict)
 _NEVER_STATEFUL = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, bytes,
@@ -76,18 +70,13 @@ def _stateful_to_state_dict(state_dict: dict) -> dict:
 
 
 def _is_plain_tensor(obj: Any) -> bool:
-    """A tensor dcpx's fast path handles: not a DTensor / ShardedTensor /
-    other wrapper subclass that carries its own layout across ranks."""
-    if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
-        return True
-    if not isinstance(obj, torch.Tensor):
-        return False
-    name = type(obj).__name__
-    return name not in ("DTensor", "ShardedTensor") and not hasattr(obj, "__tensor_flatten__")
+    """A tensor dcpx saves as its own memory (dcpx._plan.plain_tensor)."""
+    return _plan.plain_tensor(obj)
 
 
 def _is_plain_or_value(obj: Any) -> bool:
-    return not isinstance(obj, torch.Tensor) or _is_plain_tensor(obj)
+    """A value a single-process save or load plans itself (dcpx._plan.plannable)."""
+    return _plan.plannable(obj, False)
 
 
 def _storage_for(storage, checkpoint_id, reader: bool):
@@ -127,39 +116,6 @@ def _torch_kwargs(fn, **kw) -> dict:
 
 # --------------------------------------------------------------------- save
 
-def plan_local_save(writer: FileSystemWriter, flat: dict, mappings: dict,
-                    prepare=tensor_payload):
-    """Build the metadata and the write job for a flat, single-process state
-    dict.  ``prepare(tensor, key)`` turns each tensor into a C-writer payload
-    (the async path passes staged copies).  Returns (Metadata, PendingWrite)."""
-    writer.set_up_storage_writer(True, rank=0)
-    writer._prepare_dir()
-    prefix = writer._prefix(0)
-    pinned = torch.cuda.is_available()
-    sdm: dict = {}
-    entries = []
-    for fqn, obj in flat.items():
-        if isinstance(obj, torch.Tensor):
-            payload = prepare(obj, fqn)  # first: it refuses what has no metadata
-            md = _metadata.tensor_metadata(obj, pinned and obj.is_pinned())
-            sdm[fqn] = md
-            entries.append(_Entry(MetadataIndex(fqn, md.chunks[0].offsets, 0), payload,
-                                  obj.numel() * obj.element_size()))
-        else:
-            sdm[fqn] = _BYTES_MD
-            payload = value_payload(obj, fqn)
-            entries.append(_Entry(MetadataIndex(fqn), payload, len(payload)))
-    pending = writer.write_entries(prefix, entries)
-    metadata = Metadata(
-        state_dict_metadata=sdm,
-        planner_data=mappings,
-        storage_data={r.index: r.storage_data for r in pending.results},
-        storage_meta=writer.storage_meta(),
-        version=DCP_VERSION,
-    )
-    return metadata, pending
-
-
 def _default_planner(planner) -> bool:
     """None, or torch's default planner with default settings (as user code
     often passes it explicitly): dcpx's fast path does exactly its job."""
@@ -192,14 +148,52 @@ def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
     written; if it raises, they are removed and nothing is committed."""
     try:
         with paused_gc():
-            metadata, pending = plan_local_save(writer, flat, mappings, prepare)
-            pending.start()
+            started = _start_local(writer, flat, mappings, prepare)
+    except BaseException:
+        writer._release_tag()
+        raise
+    return _finish_local(writer, *started, before_commit=before_commit)
+
+
+def _start_local(writer: FileSystemWriter, flat: dict, mappings: dict, prepare) -> tuple:
+    """save_local's first half (call it with the collector paused): plan,
+    start the C writer threads, encode the metadata while they write.
+    (Metadata, PendingWrite, encoded metadata)."""
+    metadata, pending = plan_local_save(writer, flat, mappings, prepare)
+    pending.start()
+    try:
+        data = writer.encode_metadata(metadata)
+    except BaseException:
+        pending.abort()
+        raise
+    return metadata, pending, data
+
+
+def _save_fast(writer: FileSystemWriter, state_dict: dict, planner, no_dist: bool):
+    """dcpx.save's single-process path, or None where it does not apply.
+    Flattening, planning and encoding run in one pause of the collector:
+    one collection of what they allocated afterwards, not one per phase."""
+    with paused_gc():
+        fast = fast_path_state(state_dict, writer, planner, no_dist)
+        if fast is None:
+            return None
+        with checkpoint_errors():
             try:
-                data = writer.encode_metadata(metadata)
+                started = _start_local(writer, *fast, tensor_payload)
             except BaseException:
-                pending.abort()
+                writer._release_tag()
                 raise
-        pending.wait()
+    return _finish_local(writer, *started)
+
+
+@checkpoint_errors()
+def _finish_local(writer: FileSystemWriter, metadata: Metadata, pending, data: bytes,
+                  before_commit=None) -> Metadata:
+    """save_local's second half: wait for the C writer threads, then
+    ``before_commit()`` (if it raises, the data files are removed and
+    nothing is committed), then commit."""
+    try:
+        pending.wait(results=False)
         if before_commit is not None:
             try:
                 before_commit()
@@ -218,7 +212,7 @@ def fast_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
         return None
     flat, mappings = flatten_state_dict(_stateful_to_state_dict(state_dict))
     for key, v in flat.items():
-        if isinstance(v, torch.Tensor) and not _is_plain_tensor(v):
+        if not _plan.plannable(v, False):
             if v.is_nested:  # jagged nested tensors are subclasses
                 raise TypeError(f"dcpx: cannot save {key!r}: nested tensors are not supported")
             return None
@@ -239,7 +233,7 @@ def dist_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
     if not dist_path_eligible(storage_writer, planner, no_dist):
         return None
     flat, mappings = flatten_state_dict(_stateful_to_state_dict(state_dict))
-    if not all(_dist.fast_value(v) for v in flat.values()):
+    if not all(_plan.plannable(v, True) for v in flat.values()):
         return None
     return flat, mappings
 
@@ -262,10 +256,9 @@ def save(
     # Saves into one directory run one at a time, in call order: this one
     # starts once earlier ones (an async_save's upload) have finished.
     with _locks.turn(writer):
-        with paused_gc():
-            fast = fast_path_state(state_dict, writer, planner, no_dist)
-        if fast is not None:
-            return save_local(writer, *fast)
+        metadata = _save_fast(writer, state_dict, planner, no_dist)
+        if metadata is not None:
+            return metadata
         with paused_gc():
             sharded = dist_path_state(state_dict, writer, planner, no_dist)
         if sharded is not None:

@@ -34,11 +34,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
-import heapq
 import os
 import pickle
 import threading
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,180 +45,34 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
-    ChunkStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorStorageMetadata,
 )
 
 from . import _metadata, _readplan
 from ._files import DCP_VERSION
 from ._gc import paused_gc
-from ._pending import _Entry, tensor_payload, value_payload
+from ._pending import _Entry, tensor_payload
+from ._plan import (  # noqa: F401 (the planner's names, as before)
+    GlobalPlan,
+    LocalItem,
+    global_plan,
+    is_dtensor,
+    local_chunk,
+    local_plan,
+    plannable,
+)
 from ._reader import FileSystemReader, _TensorRead
 from ._writer import FileSystemWriter, _path_key
 from .errors import CheckpointError, CorruptCheckpointError, checkpoint_errors
 
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without DTensor
-    DTensor = None  # type: ignore[assignment,misc]
-
-_BYTES_MD = BytesStorageMetadata()
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-# ------------------------------------------------------------ what is saved
-
-def is_dtensor(obj: Any) -> bool:
-    return DTensor is not None and isinstance(obj, DTensor)
 
 
 def fast_value(obj: Any) -> bool:
-    """A value dcpx's own planning handles: a plain tensor, a DTensor whose
-    local part is a plain tensor (no Partial placement), or a non-tensor."""
-    if not isinstance(obj, torch.Tensor):
-        return True
-    if type(obj) in _PLAIN:
-        return True
-    if is_dtensor(obj):
-        return (type(obj._local_tensor) in _PLAIN
-                and not any(p.is_partial() for p in obj.placements))
-    return False
-
-
-_SHARDS: dict = {}
-
-
-def local_chunk(obj: torch.Tensor) -> tuple[torch.Tensor, torch.Size, torch.Size]:
-    """(local data, global offsets, sizes) of a tensor on this rank.
-
-    A DTensor's shard depends only on its global shape, mesh and placements
-    (and this rank's place in the mesh), and torch computes it in ~80 us;
-    models have few distinct (shape, mesh, placements), so it is cached."""
-    if is_dtensor(obj):
-        key = (obj.shape, tuple(obj.placements), obj.device_mesh)
-        shard = _SHARDS.get(key)
-        if shard is None:
-            (chunk,) = obj.__create_chunk_list__()
-            if len(_SHARDS) > 65536:
-                _SHARDS.clear()
-            shard = _SHARDS[key] = (chunk.offsets, chunk.sizes)
-        return obj._local_tensor.detach(), shard[0], shard[1]
-    return obj.detach(), _metadata.zero_offsets(obj.dim()), obj.size()
-
-
-class LocalItem(NamedTuple):
-    """One chunk (or bytes value) this rank can write: the unit of a plan."""
-    fqn: str
-    offsets: Optional[tuple]     # None for a bytes value
-    sizes: Optional[tuple]
-    size: Optional[tuple]        # the whole tensor's size
-    dtype: Optional[torch.dtype]
-    requires_grad: bool
-    pinned: bool
-    nbytes: int
-
-
-def local_plan(flat: dict, prepare: Callable) -> tuple[list[LocalItem], list]:
-    """This rank's items and their payloads for the C writer."""
-    items, payloads = [], []
-    cuda = torch.cuda.is_available()
-    for fqn, obj in flat.items():
-        if isinstance(obj, torch.Tensor):
-            data, offsets, sizes = local_chunk(obj)
-            payloads.append(prepare(data, fqn))  # first: it refuses what has no metadata
-            nbytes = data.numel() * data.element_size()
-            items.append(LocalItem(fqn, tuple(offsets), tuple(sizes), tuple(obj.size()),
-                                   obj.dtype, obj.requires_grad,
-                                   cuda and data.is_pinned(), nbytes))
-        else:
-            payload = value_payload(obj, fqn)
-            payloads.append(payload)
-            items.append(LocalItem(fqn, None, None, None, None, False, False, len(payload)))
-    return items, payloads
-
-
-# ------------------------------------------------------------ global plan
-
-class GlobalPlan(NamedTuple):
-    assign: list[list[int]]           # per rank: indices of its items it writes
-    state_dict_metadata: dict
-    index: dict                       # (rank, item idx) -> MetadataIndex
-    planner_data: dict
-
-
-def global_plan(plans: list[list[LocalItem]], mappings: list[dict]) -> GlobalPlan:
-    """Dedup and balance the ranks' items and build the tensor metadata.
-    Raises CheckpointError when ranks disagree about a key."""
-    n = len(plans)
-    assign: list[list[int]] = [[] for _ in range(n)]
-    sdm: dict = {}
-    index: dict = {}
-    if all(p is plans[0] for p in plans):
-        # Every rank holds every item (replicated state): balance by bytes.
-        heap = [(0, r) for r in range(n)]
-        for i, it in enumerate(plans[0]):
-            load, r = heapq.heappop(heap)
-            assign[r].append(i)
-            heapq.heappush(heap, (load + it.nbytes, r))
-            index[(r, i)] = _describe(sdm, it)
-    else:
-        holders: dict = {}
-        for r, items in enumerate(plans):
-            for i, it in enumerate(items):
-                h = holders.get((it.fqn, it.offsets))
-                if h is None:
-                    holders[(it.fqn, it.offsets)] = [(r, i)]
-                else:
-                    other = plans[h[0][0]][h[0][1]]
-                    if (other.sizes, other.size, other.dtype) != (it.sizes, it.size, it.dtype):
-                        raise CheckpointError(
-                            f"dcpx: ranks {h[0][0]} and {r} disagree about {it.fqn!r} at "
-                            f"offset {it.offsets}: chunk {other.dtype}{list(other.sizes or ())} "
-                            f"of {list(other.size or ())} vs {it.dtype}{list(it.sizes or ())} "
-                            f"of {list(it.size or ())}")
-                    h.append((r, i))
-        load = [0] * n
-        for h in holders.values():
-            r, i = min(h, key=lambda ri: load[ri[0]]) if len(h) > 1 else h[0]
-            it = plans[r][i]
-            load[r] += it.nbytes
-            assign[r].append(i)
-            index[(r, i)] = _describe(sdm, it)
-        for a in assign:
-            a.sort()
-    planner_data: dict = {}
-    for m in reversed(mappings):  # the lowest rank wins, as in torch's ChainMap
-        planner_data.update(m)
-    return GlobalPlan(assign, sdm, index, planner_data)
-
-
-def _describe(sdm: dict, it: LocalItem) -> MetadataIndex:
-    """Add one item to the state-dict metadata; its storage index."""
-    md = sdm.get(it.fqn)
-    if it.offsets is None:
-        if md is not None and not isinstance(md, BytesStorageMetadata):
-            raise CheckpointError(f"dcpx: {it.fqn!r} is a tensor on one rank and a "
-                                  f"non-tensor value on another")
-        sdm[it.fqn] = _BYTES_MD
-        return MetadataIndex(it.fqn)
-    if md is None:
-        md = sdm[it.fqn] = TensorStorageMetadata(
-            properties=_metadata.properties(it.dtype, it.requires_grad, it.pinned),
-            size=_metadata.interned_size(it.size), chunks=[])
-    elif not isinstance(md, TensorStorageMetadata):
-        raise CheckpointError(f"dcpx: {it.fqn!r} is a tensor on one rank and a "
-                              f"non-tensor value on another")
-    elif md.properties.dtype != it.dtype or tuple(md.size) != it.size:
-        raise CheckpointError(
-            f"dcpx: ranks disagree about {it.fqn!r}: {md.properties.dtype}"
-            f"{list(md.size)} vs {it.dtype}{list(it.size)}")
-    offsets = _metadata.interned_size(it.offsets)
-    md.chunks.append(ChunkStorageMetadata(offsets=offsets,
-                                          sizes=_metadata.interned_size(it.sizes)))
-    return MetadataIndex(it.fqn, offsets, len(md.chunks) - 1)
+    """A value dcpx's own multi-process planning handles
+    (dcpx._plan.plannable: the one rule of both paths)."""
+    return plannable(obj, True)
 
 
 # ------------------------------------------------------------ collectives
@@ -561,7 +414,7 @@ def write_files(writer: FileSystemWriter, prefix: str, entries: list) -> tuple[l
     """Write entries (``_Entry(item index, payload, nbytes)``) with the C
     writer; (file names, [(item index, file number, offset, length)])."""
     pending = writer.write_entries(prefix, entries).start()
-    pending.wait()
+    pending.wait(results=False)
     return ([name for name, _ in pending.files],
             [(e.index, f, off, length)
              for f, ((_, ents), lay) in enumerate(zip(pending.files, pending.layout))
@@ -652,14 +505,40 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     return metadata
 
 
+# The coordinator's last global plans, by the ranks' encoded plans (items
+# and flatten mappings, byte for byte): a save whose ranks send exactly what
+# they sent for one of these reuses its global plan instead of decoding the
+# items and planning again.  Never changed once made (_commit copies the
+# dicts it hands out).  Bounded: 2 plans.
+_GLOBAL_PLANS: list = []
+_global_plans_lock = threading.Lock()
+
+
+def _reused_global_plan(blobs: tuple) -> Optional[GlobalPlan]:
+    with _global_plans_lock:
+        for known, plan in _GLOBAL_PLANS:
+            if known == blobs:
+                return plan
+    return None
+
+
+def _remember_global_plan(blobs: tuple, plan: GlobalPlan) -> None:
+    with _global_plans_lock:
+        _GLOBAL_PLANS.insert(0, (blobs, plan))
+        del _GLOBAL_PLANS[2:]
+
+
 def _coordinate(writer: FileSystemWriter, gathered: list) -> tuple:
     errors = [m[1] for m in gathered if m[0] != "ok"]
     if errors:
         return None, [("err", errors)] * len(gathered)
-    blobs = [m[1] for m in gathered]
-    first = pickle.loads(blobs[0])
-    decoded = [first if b == blobs[0] else pickle.loads(b) for b in blobs]
-    plan = global_plan([d[0] for d in decoded], [d[1] for d in decoded])
+    blobs = tuple(m[1] for m in gathered)
+    plan = _reused_global_plan(blobs)
+    if plan is None:
+        first = pickle.loads(blobs[0])
+        decoded = [first if b == blobs[0] else pickle.loads(b) for b in blobs]
+        plan = global_plan([d[0] for d in decoded], [d[1] for d in decoded])
+        _remember_global_plan(blobs, plan)
     tag = writer._tag()
     replies = [("ok", writer._prefix(r, tag), plan.assign[r]) for r in range(len(blobs))]
     return plan, replies
@@ -678,8 +557,9 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
         for r, (_, names, layout) in enumerate(gathered):
             for i, f, off, length in layout:
                 storage_data[plan.index[(r, i)]] = _StorageInfo(names[f], off, length)
-        metadata = Metadata(state_dict_metadata=plan.state_dict_metadata,
-                            planner_data=plan.planner_data, storage_data=storage_data,
+        # Own dicts: the plan may be reused by the next save (_GLOBAL_PLANS).
+        metadata = Metadata(state_dict_metadata=dict(plan.state_dict_metadata),
+                            planner_data=dict(plan.planner_data), storage_data=storage_data,
                             storage_meta=writer.storage_meta(), version=DCP_VERSION)
         data = writer.encode_metadata(metadata)
     except Exception as e:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _C
-from ._dtypes import dlpack_export, dlpack_view, storage_type_name
+from ._dtypes import _needs_int_view, dlpack_export, dlpack_view, storage_type_name
 
 
 if TYPE_CHECKING:
@@ -53,9 +53,41 @@ def check_saveable(t: torch.Tensor, key: str) -> str:
         raise TypeError(f"dcpx: cannot save {key!r}: {e}") from None
 
 
+# dtype -> its storage type name, for the dtypes whose tensors DLPack
+# exports as they are (filled as dtypes are met: check_saveable's answer).
+_DIRECT: dict = {}
+_STRIDED = torch.strided
+_TO_DLPACK = getattr(torch._C, "_to_dlpack_versioned", None)
+
+
+def _direct_payload(t: torch.Tensor) -> Optional[tuple]:
+    """The payload of a plain, dense CPU tensor of a dtype met before, from
+    what one look at it proves (no check repeated, no per-dtype work);
+    None for anything else (the checked path)."""
+    tp = type(t)
+    if ((tp is torch.Tensor or tp is torch.nn.Parameter) and _TO_DLPACK is not None
+            and t.is_cpu and t.layout is _STRIDED and not t.is_nested
+            and not t.is_quantized and not t.is_conj() and not t.is_neg()):
+        stype = _DIRECT.get(t.dtype)
+        if stype is not None:
+            if t.requires_grad or tp is not torch.Tensor:
+                t = t.detach()
+            return (_TO_DLPACK(t), stype)
+    return None
+
+
+def _remember(dtype: torch.dtype, stype: str) -> None:
+    if dtype not in _DIRECT and not _needs_int_view(dtype):
+        _DIRECT[dtype] = stype
+
+
 def tensor_payload(t: torch.Tensor, key: str) -> tuple:
     """(tensor, storage type) for the C writer, or a clear error naming key."""
+    payload = _direct_payload(t)
+    if payload is not None:
+        return payload
     stype = check_saveable(t, key)
+    _remember(t.dtype, stype)
     t = t.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
@@ -93,7 +125,12 @@ class _Entry(NamedTuple):
 def staged_payload(t: torch.Tensor, key: str) -> tuple:
     """A staged tensor (a contiguous host view of a staging buffer) for the
     C writer: no checks, no copies."""
-    return (dlpack_export(dlpack_view(t.detach())), storage_type_name(t.dtype))
+    payload = _direct_payload(t)
+    if payload is not None:
+        return payload
+    stype = storage_type_name(t.dtype)
+    _remember(t.dtype, stype)
+    return (dlpack_export(dlpack_view(t.detach())), stype)
 
 
 def _buckets(entries: Sequence[_Entry], n: int) -> list[list[_Entry]]:
@@ -149,8 +186,10 @@ class PendingWrite:
         self.job.start()
         return self
 
-    def wait(self) -> list[WriteResult]:
-        """Join the writer threads; on failure remove this save's files."""
+    def wait(self, results: bool = True) -> Optional[list[WriteResult]]:
+        """Join the writer threads; on failure remove this save's files.
+        Returns ``results`` (torch's WriteResults, one object pair per entry:
+        not built when the caller has its own storage data, ``results=False``)."""
         try:
             self.job.wait()
         except BaseException:
@@ -158,7 +197,7 @@ class PendingWrite:
             raise
         finally:
             self.job.release()
-        return self.results
+        return self.results if results else None
 
     def abort(self) -> None:
         """Stop the writer threads and remove this save's files."""

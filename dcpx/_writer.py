@@ -229,10 +229,15 @@ class FileSystemWriter(StorageWriter):
             tag = self._tag()
         return f"__{rank}_{tag}_" if tag else f"__{rank}_"
 
-    def write_entries(self, prefix: str, entries: Sequence[_Entry], first: int = 0) -> PendingWrite:
+    def write_entries(self, prefix: str, entries: Sequence[_Entry], first: int = 0,
+                      groups: Optional[list] = None) -> PendingWrite:
         """Lay out entries into data files named ``{prefix}{i}.distcp``,
-        ``i`` counting from ``first``."""
-        if self.single_file_per_rank:
+        ``i`` counting from ``first``.  ``groups``: which entries go into
+        which file (lists of indices), when the caller's plan has it
+        (dcpx._plan.file_groups, the same rule)."""
+        if groups is not None:
+            groups = [[entries[i] for i in g] for g in groups]
+        elif self.single_file_per_rank:
             groups = [g for g in _buckets(entries, self.thread_count) if g] or [[]]
         else:
             groups = [[e] for e in entries]

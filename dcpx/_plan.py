@@ -1,0 +1,375 @@
+"""Save planning: one planner for one process and for several ranks.
+
+Which values dcpx plans itself, and by which rule (``plannable``); one pass
+over a flat state dict that turns each value into its payload for the C
+writer and records what the plan depends on (``scan``); the items a rank
+can write (``local_items``); the global plan that dedups and balances the
+ranks' items and builds the tensor metadata (``global_plan``).  A save in
+one process is the one-rank case of the same planner (``plan_local_save``),
+and its plan is reused by the next save of the same layout (see "Plan
+reuse" in docs/design.md).
+
+The plan of a save depends only on:
+
+* the writer's file configuration (``single_file_per_rank``, ``thread_count``);
+* the keys, in order;
+* per tensor: dtype, shape, ``requires_grad``, whether it is pinned (only
+  looked at when CUDA is available), and for a DTensor its chunk's offsets
+  and sizes.
+
+Not on the data, the data pointers, strides or devices of the tensors, nor
+on non-tensor values: payloads (DLPack exports, ``torch.save`` bytes) are
+made afresh by every save, and the offsets of every entry in its data file
+come from the C writer's layout of that save.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from . import _metadata
+from ._files import DCP_VERSION
+from ._pending import PendingWrite, _Entry, tensor_payload, value_payload
+from .errors import CheckpointError
+
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without DTensor
+    DTensor = None  # type: ignore[assignment,misc]
+
+_BYTES_MD = BytesStorageMetadata()
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+
+
+# ------------------------------------------------------------ what is planned
+
+def is_dtensor(obj: Any) -> bool:
+    return DTensor is not None and isinstance(obj, DTensor)
+
+
+def plain_tensor(obj: Any) -> bool:
+    """A tensor dcpx saves as its own memory: torch.Tensor, Parameter, or a
+    subclass that is not a wrapper carrying its own layout (DTensor,
+    ShardedTensor, anything with ``__tensor_flatten__``).  A subclass
+    without storage is refused by ``check_saveable``, naming its key."""
+    tp = type(obj)
+    if tp is _Tensor or tp is _Parameter:
+        return True
+    if not isinstance(obj, _Tensor):
+        return False
+    return tp.__name__ not in ("DTensor", "ShardedTensor") and not hasattr(obj, "__tensor_flatten__")
+
+
+def plannable(obj: Any, distributed: bool) -> bool:
+    """The one rule for which values dcpx plans itself (any other value
+    sends the whole state dict to torch's planner): a non-tensor, a plain
+    tensor (``plain_tensor``), and, with a process group in use, a DTensor
+    whose local part is a plain tensor and has no Partial placement."""
+    if not isinstance(obj, _Tensor):
+        return True
+    if plain_tensor(obj):
+        return True
+    if distributed and is_dtensor(obj):
+        return (type(obj._local_tensor) in _PLAIN
+                and not any(p.is_partial() for p in obj.placements))
+    return False
+
+
+_SHARDS: dict = {}
+
+
+def local_chunk(obj: torch.Tensor) -> tuple[torch.Tensor, torch.Size, torch.Size]:
+    """(local data, global offsets, sizes) of a tensor on this rank.
+
+    A DTensor's shard depends only on its global shape, mesh and placements
+    (and this rank's place in the mesh), and torch computes it in ~80 us;
+    models have few distinct (shape, mesh, placements), so it is cached."""
+    if is_dtensor(obj):
+        key = (obj.shape, tuple(obj.placements), obj.device_mesh)
+        shard = _SHARDS.get(key)
+        if shard is None:
+            (chunk,) = obj.__create_chunk_list__()
+            if len(_SHARDS) > 65536:
+                _SHARDS.clear()
+            shard = _SHARDS[key] = (chunk.offsets, chunk.sizes)
+        return obj._local_tensor.detach(), shard[0], shard[1]
+    return obj.detach(), _metadata.zero_offsets(obj.dim()), obj.size()
+
+
+# ------------------------------------------------------------ local plan
+
+class LocalItem(NamedTuple):
+    """One chunk (or bytes value) this rank can write: the unit of a plan."""
+    fqn: str
+    offsets: Optional[tuple]     # None for a bytes value
+    sizes: Optional[tuple]
+    size: Optional[tuple]        # the whole tensor's size
+    dtype: Optional[torch.dtype]
+    requires_grad: bool
+    pinned: bool
+    nbytes: int
+
+
+def scan(flat: dict, prepare: Callable) -> tuple[list, list]:
+    """One pass over a flat state dict: (signature, payloads).
+
+    ``payloads[i]`` is the C writer's payload of the i-th value
+    (``prepare(tensor, key)`` for a tensor, the ``torch.save`` bytes of any
+    other value); ``signature[i]`` is what the plan depends on: None for a
+    non-tensor, ``(dtype, shape, requires_grad, pinned)`` for a tensor saved
+    whole, plus ``(offsets, sizes)`` for a DTensor's local chunk.  The
+    caller has checked ``plannable`` for every value."""
+    sig: list = []
+    payloads: list = []
+    add_sig, add_payload = sig.append, payloads.append
+    cuda = torch.cuda.is_available()
+    for fqn, obj in flat.items():
+        tp = type(obj)
+        if tp is _Tensor or tp is _Parameter or (isinstance(obj, _Tensor) and not is_dtensor(obj)):
+            add_payload(prepare(obj, fqn))  # first: it refuses what has no metadata
+            add_sig((obj.dtype, obj.shape, obj.requires_grad, cuda and obj.is_pinned()))
+        elif isinstance(obj, _Tensor):
+            data, offsets, sizes = local_chunk(obj)
+            add_payload(prepare(data, fqn))
+            add_sig((obj.dtype, obj.shape, obj.requires_grad, cuda and data.is_pinned(),
+                     tuple(offsets), tuple(sizes)))
+        else:
+            add_payload(value_payload(obj, fqn))
+            add_sig(None)
+    return sig, payloads
+
+
+def local_items(keys, sig: list, payloads: list) -> list[LocalItem]:
+    """The items of a scanned state dict (``scan``), for the global plan."""
+    items = []
+    for fqn, s, p in zip(keys, sig, payloads):
+        if s is None:
+            items.append(LocalItem(fqn, None, None, None, None, False, False, len(p)))
+            continue
+        size = tuple(s[1])
+        if len(s) == 4:
+            offsets, sizes = (0,) * len(size), size
+        else:
+            offsets, sizes = s[4], s[5]
+        items.append(LocalItem(fqn, offsets, sizes, size, s[0], s[2], s[3],
+                               math.prod(sizes) * s[0].itemsize))
+    return items
+
+
+def local_plan(flat: dict, prepare: Callable) -> tuple[list[LocalItem], list]:
+    """This rank's items and their payloads for the C writer."""
+    sig, payloads = scan(flat, prepare)
+    return local_items(flat.keys(), sig, payloads), payloads
+
+
+# ------------------------------------------------------------ global plan
+
+class GlobalPlan(NamedTuple):
+    assign: list[list[int]]           # per rank: indices of its items it writes
+    state_dict_metadata: dict
+    index: dict                       # (rank, item idx) -> MetadataIndex
+    planner_data: dict
+
+
+def global_plan(plans: list[list[LocalItem]], mappings: list[dict]) -> GlobalPlan:
+    """Dedup and balance the ranks' items and build the tensor metadata.
+    Raises CheckpointError when ranks disagree about a key."""
+    n = len(plans)
+    assign: list[list[int]] = [[] for _ in range(n)]
+    sdm: dict = {}
+    index: dict = {}
+    if n == 1:
+        assign[0] = list(range(len(plans[0])))
+        for i, it in enumerate(plans[0]):
+            index[(0, i)] = _describe(sdm, it)
+    elif all(p is plans[0] for p in plans):
+        # Every rank holds every item (replicated state): balance by bytes.
+        heap = [(0, r) for r in range(n)]
+        for i, it in enumerate(plans[0]):
+            load, r = heapq.heappop(heap)
+            assign[r].append(i)
+            heapq.heappush(heap, (load + it.nbytes, r))
+            index[(r, i)] = _describe(sdm, it)
+    else:
+        holders: dict = {}
+        for r, items in enumerate(plans):
+            for i, it in enumerate(items):
+                h = holders.get((it.fqn, it.offsets))
+                if h is None:
+                    holders[(it.fqn, it.offsets)] = [(r, i)]
+                else:
+                    other = plans[h[0][0]][h[0][1]]
+                    if (other.sizes, other.size, other.dtype) != (it.sizes, it.size, it.dtype):
+                        raise CheckpointError(
+                            f"dcpx: ranks {h[0][0]} and {r} disagree about {it.fqn!r} at "
+                            f"offset {it.offsets}: chunk {other.dtype}{list(other.sizes or ())} "
+                            f"of {list(other.size or ())} vs {it.dtype}{list(it.sizes or ())} "
+                            f"of {list(it.size or ())}")
+                    h.append((r, i))
+        load = [0] * n
+        for h in holders.values():
+            r, i = min(h, key=lambda ri: load[ri[0]]) if len(h) > 1 else h[0]
+            it = plans[r][i]
+            load[r] += it.nbytes
+            assign[r].append(i)
+            index[(r, i)] = _describe(sdm, it)
+        for a in assign:
+            a.sort()
+    planner_data: dict = {}
+    for m in reversed(mappings):  # the lowest rank wins, as in torch's ChainMap
+        planner_data.update(m)
+    return GlobalPlan(assign, sdm, index, planner_data)
+
+
+def _describe(sdm: dict, it: LocalItem) -> MetadataIndex:
+    """Add one item to the state-dict metadata; its storage index."""
+    md = sdm.get(it.fqn)
+    if it.offsets is None:
+        if md is not None and not isinstance(md, BytesStorageMetadata):
+            raise CheckpointError(f"dcpx: {it.fqn!r} is a tensor on one rank and a "
+                                  f"non-tensor value on another")
+        sdm[it.fqn] = _BYTES_MD
+        return MetadataIndex(it.fqn)
+    if md is None:
+        md = sdm[it.fqn] = TensorStorageMetadata(
+            properties=_metadata.properties(it.dtype, it.requires_grad, it.pinned),
+            size=_metadata.interned_size(it.size), chunks=[])
+    elif not isinstance(md, TensorStorageMetadata):
+        raise CheckpointError(f"dcpx: {it.fqn!r} is a tensor on one rank and a "
+                              f"non-tensor value on another")
+    elif md.properties.dtype != it.dtype or tuple(md.size) != it.size:
+        raise CheckpointError(
+            f"dcpx: ranks disagree about {it.fqn!r}: {md.properties.dtype}"
+            f"{list(md.size)} vs {it.dtype}{list(it.size)}")
+    offsets = _metadata.interned_size(it.offsets)
+    md.chunks.append(ChunkStorageMetadata(offsets=offsets,
+                                          sizes=_metadata.interned_size(it.sizes)))
+    return MetadataIndex(it.fqn, offsets, len(md.chunks) - 1)
+
+
+def file_groups(items: list[LocalItem], n: int, single_file_per_rank: bool) -> list[list[int]]:
+    """Which items go into which data file (indices into ``items``), as
+    torch's _split_by_size_and_type does: with one file per rank, bytes
+    round-robin over ``n`` files and tensors largest first onto the
+    least-loaded; else one file per item."""
+    if not single_file_per_rank:
+        return [[i] for i in range(len(items))]
+    if n <= 1:
+        return [list(range(len(items)))]
+    out: list[list[int]] = [[] for _ in range(n)]
+    tensors = []
+    nb = 0
+    for i, it in enumerate(items):
+        if it.offsets is None:
+            out[nb % n].append(i)
+            nb += 1
+        else:
+            tensors.append(i)
+    tensors.sort(key=lambda i: items[i].nbytes, reverse=True)
+    heap = [(0, f) for f in range(n)]
+    for i in tensors:
+        load, f = heapq.heappop(heap)
+        out[f].append(i)
+        heapq.heappush(heap, (load + items[i].nbytes, f))
+    return [g for g in out if g] or [[]]
+
+
+# ------------------------------------------------------------ one process
+
+class SavePlan(NamedTuple):
+    """A single-process save's plan: reused by later saves of the same
+    layout.  Shared between saves (and threads) once built: never mutated."""
+    sig: list                   # scan()'s signature it was made for
+    sdm: dict                   # fqn -> Tensor/BytesStorageMetadata
+    index: list                 # per item: its MetadataIndex
+    nbytes: list                # per item: bytes of a tensor (-1: a bytes value)
+    groups: list                # per data file: item indices
+    mappings: dict              # the planner_data it was made with
+
+
+# (writer's file configuration, keys) -> SavePlan; the most recent first out
+# when full.  Holds no tensor: keys, dtypes, sizes and metadata only.
+_PLANS: "OrderedDict[tuple, SavePlan]" = OrderedDict()
+_PLANS_MAX = 4                  # plans kept (e.g. model and optimizer saved apart)
+_PLANS_MAX_ITEMS = 1_000_000    # and at most this many items over all of them
+_plans_lock = threading.Lock()
+
+
+def clear_plan_cache() -> None:
+    with _plans_lock:
+        _PLANS.clear()
+
+
+def _plan_for(config: tuple, keys: tuple, sig: list, payloads: list,
+              mappings: dict) -> SavePlan:
+    key = (config, keys)
+    with _plans_lock:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+    if plan is not None and plan.sig == sig:
+        return plan
+    items = local_items(keys, sig, payloads)
+    gp = global_plan([items], [{}])
+    plan = SavePlan(sig, gp.state_dict_metadata, [gp.index[(0, i)] for i in range(len(items))],
+                    [-1 if it.offsets is None else it.nbytes for it in items],
+                    file_groups(items, config[1], config[0]), dict(mappings))
+    with _plans_lock:
+        _PLANS[key] = plan
+        _PLANS.move_to_end(key)
+        total = sum(len(p.index) for p in _PLANS.values())
+        while len(_PLANS) > 1 and (len(_PLANS) > _PLANS_MAX or total > _PLANS_MAX_ITEMS):
+            _, gone = _PLANS.popitem(last=False)
+            total -= len(gone.index)
+    return plan
+
+
+def plan_local_save(writer, flat: dict, mappings: dict,
+                    prepare: Callable = tensor_payload) -> tuple[Metadata, PendingWrite]:
+    """Build the metadata and the write job for a flat, single-process state
+    dict: the one-rank case of the global plan, reused while the layout
+    stays the same.  ``prepare(tensor, key)`` turns each tensor into a
+    C-writer payload (the async path passes staged copies).  Returns
+    (Metadata, PendingWrite)."""
+    writer.set_up_storage_writer(True, rank=0)
+    writer._prepare_dir()
+    prefix = writer._prefix(0)
+    sig, payloads = scan(flat, prepare)
+    config = (bool(writer.single_file_per_rank), max(1, writer.thread_count))
+    plan = _plan_for(config, tuple(flat), sig, payloads, mappings)
+    if mappings is not plan.mappings and mappings == plan.mappings:
+        # The plan's own copy: its key strings are the objects the reused
+        # metadata holds, so the pickle stores each key once (a new state
+        # dict's equal strings would be stored again).
+        mappings = dict(plan.mappings)
+    index, nbytes = plan.index, plan.nbytes
+    entries = [_Entry(ix, p, len(p) if nb < 0 else nb) for ix, p, nb in zip(index, payloads, nbytes)]
+    pending = writer.write_entries(prefix, entries, groups=plan.groups)
+    storage_data = {}
+    for (name, ents), lay in zip(pending.files, pending.layout):
+        for e, (offset, length) in zip(ents, lay):
+            storage_data[e.index] = _StorageInfo(name, offset, length)
+    metadata = Metadata(
+        state_dict_metadata=dict(plan.sdm),
+        planner_data=mappings,
+        storage_data=storage_data,
+        storage_meta=writer.storage_meta(),
+        version=DCP_VERSION,
+    )
+    return metadata, pending
