@@ -761,7 +761,8 @@ PyObject *dcpx_read_plan(PyObject *Py_UNUSED(module), PyObject *args)
             goto done;
         dcpx_view_release(&it->dest);
         if (rc == 0) {                /* a destination the plan cannot take */
-            cap = Py_NewRef(Py_None);
+            Py_INCREF(Py_None);
+            cap = Py_None;
             goto done;
         }
     }
@@ -824,7 +825,8 @@ PyObject *dcpx_read_plan_run(PyObject *Py_UNUSED(module), PyObject *args,
         if (rc < 0)
             goto done;
         if (rc == 0) {
-            out = Py_NewRef(Py_None);
+            Py_INCREF(Py_None);
+            out = Py_None;
             goto done;
         }
     }
