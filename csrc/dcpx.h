@@ -189,6 +189,7 @@ PyObject *dcpx_read_items(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_probe_tensor(PyObject *module, PyObject *obj);
 PyObject *dcpx_copy_into(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_prefault(PyObject *module, PyObject *args, PyObject *kwds);
+PyObject *dcpx_stage_plain(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_check_pickle(PyObject *module, PyObject *args);
 
 /* Run fn(arg) on nthreads threads (at most 64): nthreads - 1 new ones plus
