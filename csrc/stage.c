@@ -275,7 +275,8 @@ PyObject *dcpx_prefault(PyObject *Py_UNUSED(module), PyObject *args,
  * that type, dtype, shape and requires_grad, without neg (or, complex,
  * conj) bit, with memory.  Each is checked through its own getters (one C
  * call each, no Python frame: ~0.3 us a tensor, most of it in torch) and
- * its data pointer read, holding the GIL.
+ * its data pointer read, holding the GIL (dropped for a moment every 1024
+ * entries, so that other threads are not held for the whole check).
  *
  * The copy is pipelined with the checks: worker threads (no GIL, no Python
  * object) copy the runs already checked while the caller's thread checks
@@ -534,6 +535,13 @@ PyObject *dcpx_stage_plain(PyObject *Py_UNUSED(module), PyObject *args,
             PyErr_SetString(PyExc_ValueError,
                             "dcpx: stage_plain entry outside the values or the buffer");
             goto fail;
+        }
+        if (i % 1024 == 1023) {
+            /* Let other threads run (the caller of an asynchronous
+             * stage() is waiting to return): C code holding the GIL is
+             * never asked to switch.  values keeps the tensors alive. */
+            Py_BEGIN_ALLOW_THREADS
+            Py_END_ALLOW_THREADS
         }
         char *src = NULL;
         if (!plain_match(PyList_GET_ITEM(values, index), e, &src) ||

@@ -163,6 +163,7 @@ class _Layout:
         # (_fresh), with that stage's non-tensor values in their slots.
         self.tree = _mirror(state_dict, (), self)
         self.plan(flat)
+        self._description: Optional[list] = None
         self.same_as: "weakref.WeakSet[_Layout]" = weakref.WeakSet()
 
     def plan(self, flat: dict) -> None:
@@ -183,6 +184,19 @@ class _Layout:
             else:
                 others.append((i, k, _entry_signature(k, v)))
         self.plain, self.others, self.values = tuple(plain), others, values
+
+    def description(self) -> list:
+        """``[(key, offset, dtype name, shape, requires_grad)]`` of the staged
+        tensors, what the checkpoint process needs to find them in the shared
+        buffer (dcpx/_process.py); built once per layout."""
+        if self._description is None:
+            self._description = [(k, self.offsets[k], str(v.dtype).removeprefix("torch."),
+                                  tuple(v.shape), v.requires_grad) for k, v in self.dst.items()]
+        return self._description
+
+    def other_values(self) -> dict:
+        """This stage's non-tensor values, by key."""
+        return {k: self.flat[k] for _, k in self.values}
 
     def same_layout(self, other: "_Layout") -> bool:
         """Same signature (remembered: the pool compares on every call)."""
