@@ -369,3 +369,34 @@ def test_stage_plain_says_false_on_a_mismatch_and_keeps_refcounts():
         assert _C.stage_plain([other], (entry,), base) is False
     assert _C.stage_plain([t], (entry,), base) is True
     assert (sys.getrefcount(t), sys.getrefcount(base)) == before
+
+
+def test_a_change_after_copying_began_is_staged_correctly():
+    """The copy starts while later tensors are still being checked: a
+    change found after 8 MiB were handed to the copy threads stops them
+    and the general path stages everything again, exactly."""
+    big = {f"big{i}": torch.randn(1 << 20) for i in range(3)}  # 4 MiB each
+    before = {**big, "last": torch.randn(10)}
+    with _stager() as stager:
+        stager.stage(before)
+        stager.stage(before)
+        after = {k: v + 1 for k, v in big.items()}
+        after["last"] = torch.randn(10).double()
+        _assert_staged(stager.stage(after), after)
+        assert stager.reuse_count == 1
+        after["last"] = after["last"].float()  # the first layout again
+        _assert_staged(stager.stage(after), after)
+
+
+def test_stage_plain_error_after_copying_began_joins_the_threads():
+    ts = [torch.randn(1 << 20) for _ in range(3)]
+    base = torch.empty(3 * (4 << 20), dtype=torch.uint8)
+    entries = [(i, torch.Tensor, t.dtype, t.shape, False, i * (4 << 20), 4 << 20, False)
+               for i, t in enumerate(ts)]
+    assert _C.stage_plain(ts, tuple(entries), base, threads=3) is True
+    for i, t in enumerate(ts):
+        assert torch.equal(base[i * (4 << 20):(i + 1) * (4 << 20)].view(torch.float32), t)
+    bad = entries[:2] + [entries[2][:5] + (3 * (4 << 20), 4 << 20, False)]
+    for _ in range(20):  # the threads are joined each time: no leak, no hang
+        with pytest.raises(ValueError, match="outside"):
+            _C.stage_plain(ts, tuple(bad), base, threads=3)
