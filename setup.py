@@ -26,11 +26,15 @@ SOURCES = [
     "csrc/reader.c",
     "csrc/stage.c",
     "csrc/picklescan.c",
+    "csrc/mdpickle.c",
     "csrc/workers.c",
     "csrc/cuda.c",
     "csrc/cuda_stage.c",
     "csrc/cuda_load.c",
+    "csrc/cuda_copy.c",
+    "csrc/gate.c",
     "csrc/files.c",
+    "csrc/flatten.c",
 ]
 
 cflags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]

@@ -23,6 +23,9 @@ Usage::
 
     PYTHONPATH=$PWD python3 benchmarks/bench_dist.py --out benchmarks/results/dist_local
     PYTHONPATH=$PWD python3 benchmarks/bench_dist.py --quick     # 2000 tensors, 2 ranks
+
+Old vs new (issue 12): run this script twice, with ``PYTHONPATH`` on the old tree, then on the
+new one with ``--compare OLD.json`` (the dcpx rows side by side, benchmarks/compare.py).
 """
 from __future__ import annotations
 
@@ -30,9 +33,11 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -92,6 +97,8 @@ def _rank_main(rank: int, ws: int, port: int, impl: str, layout: str, count: int
         else:
             import dcpx as dcp
             from dcpx import filesystem as fs
+            # the C write job's start and join; where a dcpx has none, write stays 0 and the
+            # report says "not measured" (coordination is then the whole save)
             start, wait = fs.PendingWrite.start, fs.PendingWrite.wait
 
             def timed_start(self):
@@ -150,6 +157,18 @@ def run_config(impl: str, layout: str, ws: int, count: int, repeat: int, root: s
             "saves": saves, "median": med}
 
 
+def _dcpx_source() -> dict:
+    """Which dcpx the ranks import (PYTHONPATH decides): its directory and git revision."""
+    try:
+        import dcpx
+    except Exception as e:  # noqa: BLE001 - reported, torch can still run
+        return {"dcpx_path": f"not importable ({type(e).__name__}: {e})"}
+    d = os.path.dirname(os.path.dirname(os.path.abspath(dcpx.__file__)))
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                         text=True, cwd=d).stdout.strip()
+    return {"dcpx_path": d, "dcpx_git": git or "?"}
+
+
 def _load_avg() -> str:
     try:
         return " ".join(open("/proc/loadavg").read().split()[:3])
@@ -167,6 +186,9 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     ap.add_argument("--quick", action="store_true", help="2000 tensors, 2 ranks, 1 repeat")
+    ap.add_argument("--compare", metavar="OLD.json",
+                    help="a result of this script for another dcpx tree (run with PYTHONPATH on "
+                         "it): adds old vs new dcpx coordination per save to the report")
     args = ap.parse_args()
     if args.quick:
         args.ranks, args.count, args.repeat = "2", 2000, 1
@@ -185,15 +207,25 @@ def main() -> None:
                 results.append(r)
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
+    env = f"PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])} " if "PYTHONPATH" in os.environ else ""
     report = {
-        "command": "PYTHONPATH=$PWD python3 " + " ".join(sys.argv),
+        "command": env + shlex.join(["python3", *sys.argv]),
         "started": started,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "platform": platform.platform(),
-                    "loadavg_before": load_before, "loadavg_after": _load_avg()},
+                    "loadavg_before": load_before, "loadavg_after": _load_avg(),
+                    **_dcpx_source()},
         "results": results,
     }
     md = _markdown(report)
+    if args.compare:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import compare
+        with open(args.compare) as f:
+            old = json.load(f)
+        report["compare"], cmp_md = compare.compare(old, report)
+        report["compare"]["old"] = args.compare
+        md += "\n" + cmp_md
     print(md)
     if args.out:
         with open(args.out + ".json", "w") as f:
@@ -211,6 +243,11 @@ def _markdown(report: dict) -> str:
              "| layout | ranks | tensors/rank | dcpx total | dcpx coord. | torch total "
              "| torch coord. | coord. ratio (torch/dcpx) | total ratio |",
              "|---|---|---|---|---|---|---|---|---|"]
+    unmeasured = sorted({f"{r['impl']} {r['layout']} {r['ranks']}" for r in report["results"]
+                         if r["median"]["write"] == 0})
+    if unmeasured:
+        lines[-2:-2] = [f"**write not measured (0 s) for: {', '.join(unmeasured)}: their "
+                        "coordination is the whole save.**", ""]
     by = {(r["layout"], r["ranks"], r["impl"]): r for r in report["results"]}
     for (layout, ws, impl), r in by.items():
         if impl != "dcpx":

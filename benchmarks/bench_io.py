@@ -54,6 +54,29 @@ def make_small(count, seed=1):
     return sd
 
 
+def make_tiny(count, seed=2):
+    """Optimizer-state-like tiny fp32 tensors: per parameter a 0-d `step` and two 1-D moments of
+    1..64 elements (one length per parameter), i.e. where the cost is per tensor, not per byte."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 65, (count // 3 + 1,), generator=g).tolist()
+    kinds = ("step", "exp_avg", "exp_avg_sq")
+    sd = {}
+    for i in range(count):
+        p, k = divmod(i, 3)
+        sd[f"state.{p}.{kinds[k]}"] = (torch.randn((), generator=g) if k == 0
+                                       else torch.randn(lens[p], generator=g))
+    return sd
+
+
+def make_case(name, args):
+    if name == "large":
+        return make_large(args.gib)
+    return make_small(args.small_count) if name == "small" else make_tiny(args.tiny_count)
+
+
+CASE_LETTER = {"large": "a", "small": "b", "tiny": "c"}
+
+
 def empty_like_sd(sd):
     return {k: torch.empty_like(v) for k, v in sd.items()}
 
@@ -229,6 +252,7 @@ def run_case(name, sd, libs, args, workdir):
         # Untimed warm-up write. Each timed write then follows the deletion of the same writer's
         # previous output, so it refills the page cache that output just freed (see README).
         write(path)
+        read(path)  # untimed warm-up load too: timed saves and loads are the 2nd..Nth
         for _ in range(args.repeat):
             rm(path)
             measure(f"{who} {wop}", lambda: write(path))
@@ -241,8 +265,16 @@ def run_case(name, sd, libs, args, workdir):
         print(f"  [{name}] {who}: {args.repeat} repeats done", file=sys.stderr, flush=True)
     ops = {op: {"times_s": ts, "median_s": statistics.median(ts), "min_s": min(ts),
                 "gbps_median": size / GB / statistics.median(ts)} for op, ts in times.items()}
+    for lib in libs:  # issue 12: (median - the byte-limited time of the same bytes) / tensors
+        for op, limit in (("save", "limit write+fsync"), ("load", "limit read")):
+            o = ops[f"{lib} {op}"]
+            o["us_per_tensor_over_limit"] = (o["median_s"] - ops[limit]["median_s"]) / len(sd) * 1e6
+    noise = cpu_noise(cpu0, cpu_snapshot())
+    gc.collect()
+    peak = peak_memory(name, libs, args, workdir) if name in args.peak_mem else {}
     return {"n_tensors": len(sd), "bytes": size, "ops": ops, "disk_bytes": disk,
-            "cpu_noise": cpu_noise(cpu0, cpu_snapshot()), "ratios": ratios(name, ops)}
+            "cpu_noise": noise, "ratios": ratios(name, ops), "peak_extra_rss": peak,
+            "targets_issue12": targets_issue12(name, ops, peak)}
 
 
 def ratios(name, ops):
@@ -267,6 +299,119 @@ def ratios(name, ops):
     ]
     return [{"label": l, "value": v, "target": tg,
              "met": None if tg is None or v is None else v >= tg} for l, v, tg in rows]
+
+
+# -------------------------------------------------------------- peak memory
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(field + ":"))
+
+
+def peak_child(spec):
+    """In a fresh process (so the high-water mark is this library's alone): build the case's state
+    dict, warm the library up on a one-tensor checkpoint (lazy imports), then reset VmHWM
+    (/proc/self/clear_refs 5) and run one save or load; prints VmHWM - VmRSS before it, in bytes."""
+    warnings.filterwarnings("ignore", module=r"torch\.distributed")
+    if spec["lib"] == "dcpx":
+        import dcpx as mod
+    else:
+        import torch.distributed.checkpoint as mod
+    args = argparse.Namespace(**spec["args"])
+    sd = make_case(spec["case"], args)
+    warm = os.path.join(spec["dir"], f"warm-{spec['lib']}-{spec['op']}")
+    w = {"w": torch.zeros(4)}
+    ckpt_save(mod, w, warm, args.thread_count)
+    ckpt_load(mod, w, warm)
+    rm(warm)
+    if spec["op"] == "load":
+        for t in sd.values():
+            t.zero_()
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
+        method = "VmHWM reset by /proc/self/clear_refs before the operation"
+    except OSError as e:  # the high-water mark then includes building the state dict
+        method = f"VmHWM not reset ({e}): a lower bound"
+    base = _status_kib("VmRSS")
+    if spec["op"] == "save":
+        ckpt_save(mod, sd, spec["path"], args.thread_count)
+    else:
+        ckpt_load(mod, sd, spec["path"])
+    peak = _status_kib("VmHWM")
+    print(json.dumps({"extra_bytes": (peak - base) * 1024, "base_bytes": base * 1024,
+                      "method": method}))
+
+
+def peak_memory(name, libs, args, workdir):
+    """Per library: a save child, then a load child reading what it wrote. Bytes above the RSS
+    with the state dict (the source for save, the destination for load) built."""
+    out = {}
+    for lib in libs:
+        path = os.path.join(workdir, f"{name}-{lib}-peak")
+        for op in ("save", "load"):
+            spec = {"lib": lib, "op": op, "case": name, "path": path, "dir": workdir,
+                    "args": {k: getattr(args, k) for k in ("gib", "small_count", "tiny_count",
+                                                           "thread_count")}}
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak-child",
+                                json.dumps(spec)], capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"peak-memory child {lib} {op} ({name}) failed:\n{r.stderr}")
+            out[f"{lib} {op}"] = json.loads(r.stdout.strip().splitlines()[-1])
+        rm(path)
+        print(f"  [{name}] {lib}: peak memory measured", file=sys.stderr, flush=True)
+    return out
+
+
+# ------------------------------------------------------------ issue-12 targets
+def targets_issue12(name, ops, peak):
+    """(label, value, unit, target text, met) rows for the targets of issue 12. `met` is None
+    where dcpx (or torch, for a comparison) was not measured or there is no fixed target."""
+    def med(op):
+        return ops[op]["median_s"] if op in ops else None
+
+    def row(label, value, unit, target, ok):
+        return {"label": label, "value": value, "unit": unit, "target": target,
+                "met": None if value is None or ok is None else bool(ok(value))}
+
+    def div(a, b):
+        return a / b if a is not None and b is not None else None
+
+    save_r = div(med("limit write+fsync"), med("dcpx save"))
+    load_r = div(med("limit read"), med("dcpx load"))
+    rows = []
+    if name == "small":
+        rows += [row("dcpx save / write limit (throughput)", save_r, "x", ">= 0.6x", lambda v: v >= 0.6),
+                 row("dcpx load / read limit (throughput)", load_r, "x", ">= 0.6x", lambda v: v >= 0.6),
+                 row("save speedup vs torch DCP", div(med("torch save"), med("dcpx save")), "x",
+                     ">= 20x", lambda v: v >= 20),
+                 row("load speedup vs torch DCP", div(med("torch load"), med("dcpx load")), "x",
+                     ">= 20x", lambda v: v >= 20)]
+    elif name == "tiny":
+        rows += [row("dcpx save", med("dcpx save"), "s", "<= 1.0 s", lambda v: v <= 1.0),
+                 row("dcpx load", med("dcpx load"), "s", "<= 1.0 s", lambda v: v <= 1.0)]
+        for op in ("save", "load"):
+            d, t = peak.get(f"dcpx {op}"), peak.get(f"torch {op}")
+            rows.append(row(f"dcpx {op} peak extra RSS (torch: "
+                            + ("n/a" if t is None else f"{t['extra_bytes'] / 2**20:.1f} MiB") + ")",
+                            None if d is None else d["extra_bytes"] / 2**20, "MiB", "<= torch's",
+                            None if t is None else (lambda v, t=t: v * 2**20 <= t["extra_bytes"])))
+    else:  # large: keep today's ratios; benchmarks/compare.py sets them against the old tree's
+        rows += [row("dcpx save / write limit (throughput)", save_r, "x", "today's (compare.py)", None),
+                 row("dcpx load / read limit (throughput)", load_r, "x", "today's (compare.py)", None)]
+    for lib in ("dcpx", "torch"):
+        for op in ("save", "load"):
+            o = ops.get(f"{lib} {op}")
+            rows.append(row(f"{lib} {op}: us per tensor over the limit",
+                            None if o is None else o["us_per_tensor_over_limit"], "us", "", None))
+    return rows
+
+
+def fmt_target(r):
+    v = r["value"]
+    v = "n/a" if v is None else (f"{v:.3g}x" if r["unit"] == "x" else
+                                 f"{v:.3f} s" if r["unit"] == "s" else f"{v:.2f} {r['unit']}")
+    return [r["label"], v, r["target"], "" if r["met"] is None else "MET" if r["met"] else "NOT MET"]
 
 
 # ------------------------------------------------------------------- report
@@ -295,9 +440,20 @@ def machine_info(workdir, dcpx_mod, dcpx_err):
         "torch": torch.__version__, "numpy": np.__version__, "torch_threads": torch.get_num_threads(),
         "dcpx": getattr(dcpx_mod, "__version__", "unknown") if dcpx_mod else f"not available ({dcpx_err})",
         "git": git or "?",
+        **dcpx_source(dcpx_mod),
         # on VMs, freed guest memory handed back to the host makes the next first touch slow
         "free_page_reporting": os.path.exists("/sys/module/page_reporting"),
     }
+
+
+def dcpx_source(mod):
+    """Which dcpx tree was measured (PYTHONPATH decides; the script may be another tree's)."""
+    if mod is None:
+        return {}
+    d = os.path.dirname(os.path.dirname(os.path.abspath(mod.__file__)))
+    git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                         text=True, cwd=d).stdout.strip()
+    return {"dcpx_path": d, "dcpx_git": git or "?"}
 
 
 def fmt_ratio(r):
@@ -321,19 +477,21 @@ def render(results, meta, md):
     q = "`" if md else ""
     out = [h("dcpx I/O benchmark", 1), "", q + meta["command"] + q, ""]
     keys = ["date", "hostname", "cpu", "cores", "ram", "bench_dir", "fs_type", "fs_device", "kernel",
-            "python", "torch", "numpy", "torch_threads", "dcpx", "git", "read_mode", "thread_count",
+            "python", "torch", "numpy", "torch_threads", "dcpx", "git", "dcpx_path", "dcpx_git", "read_mode", "thread_count",
             "repeat", "peak_rss_gib", "free_page_reporting"]
     out += table(["machine / setting", "value"], [[k, str(meta.get(k))] for k in keys])
     for name, res in results.items():
-        out += ["", h(f"({'a' if name == 'large' else 'b'}) {name}: {res['n_tensors']} tensors, "
+        out += ["", h(f"({CASE_LETTER[name]}) {name}: {res['n_tensors']} tensors, "
                       f"{res['bytes'] / 2**20:.1f} MiB", 2), ""]
         rows = []
         for op, o in res["ops"].items():
             lib = op.split()[0]
             d = res["disk_bytes"].get(lib) if op.endswith(("save", "fsync")) else None
+            us = o.get("us_per_tensor_over_limit")
             rows.append([op, f"{o['median_s']:.3f}", f"{o['min_s']:.3f}", f"{o['gbps_median']:.2f}",
-                         "" if d is None else f"{d / 2**20:.1f}"])
-        out += table(["operation", "median s", "min s", "GB/s (median)", "on-disk MiB"], rows)
+                         "" if d is None else f"{d / 2**20:.1f}", "" if us is None else f"{us:.2f}"])
+        out += table(["operation", "median s", "min s", "GB/s (median)", "on-disk MiB",
+                      "us/tensor over limit"], rows)
         n = res["cpu_noise"]
         out += ["", f"CPU used by other processes + kernel threads during this case: {n['others_cores']} "
                     f"of {meta['cores']} cores (avg); stolen by the host: {n['steal_cores']} cores"
@@ -341,6 +499,18 @@ def render(results, meta, md):
         out.append("")
         out += table(["ratio (medians)", "value", "target", "status"],
                      [[r["label"], *fmt_ratio(r)] for r in res["ratios"]])
+        if res.get("peak_extra_rss"):
+            out += ["", f"Peak extra memory: RSS high-water mark above the RSS with the state dict "
+                        f"({res['bytes'] / 2**20:.1f} MiB) built, one fresh process per library and "
+                        f"operation ({next(iter(res['peak_extra_rss'].values()))['method']}).", ""]
+            out += table(["operation", "peak extra MiB", "x state dict"],
+                         [[op, f"{p['extra_bytes'] / 2**20:.1f}", f"{p['extra_bytes'] / res['bytes']:.2f}"]
+                          for op, p in res["peak_extra_rss"].items()])
+        if res.get("targets_issue12"):
+            out += ["", "Issue 12 targets (medians of saves / loads 2..N; us per tensor = (median - "
+                        "the limit's median for the same bytes) / tensors):", ""]
+            out += table(["issue 12", "value", "target", "status"],
+                         [fmt_target(r) for r in res["targets_issue12"]])
     return "\n".join(out) + "\n"
 
 
@@ -349,22 +519,32 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", help="parent dir for checkpoints (a fresh subdir is made and removed); "
                                  "default: the system temp dir")
-    p.add_argument("--which", choices=["large", "small", "both"], default="both")
+    p.add_argument("--which", choices=["large", "small", "tiny", "both", "all"], default="both",
+                   help="both = large + small; all = large + small + tiny")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--gib", type=float, default=2.0, help="size of the large state dict (16 tensors)")
     p.add_argument("--small-count", type=int, default=20000)
+    p.add_argument("--tiny-count", type=int, default=100000,
+                   help="tensors in the tiny case (0-d steps and 1..64-element moments)")
+    p.add_argument("--peak-mem", default="small,tiny", metavar="CASES",
+                   help="cases whose per-library peak extra RSS is measured in fresh child "
+                        "processes (comma list, '' for none; default small,tiny)")
+    p.add_argument("--peak-child", help=argparse.SUPPRESS)
     p.add_argument("--thread-count", type=int, default=None,
                    help="pass FileSystemWriter(path, thread_count=N) to both libraries "
                         "(default: plain checkpoint_id=, i.e. the writers' defaults)")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the page cache before every read/load measurement (needs root)")
     p.add_argument("--no-dcpx", action="store_true", help="benchmark torch DCP and the limits only")
+    p.add_argument("--no-torch", action="store_true",
+                   help="dcpx and the limits only (e.g. the old tree's run for compare.py)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 64 MiB, 2000 small tensors, 1 repeat")
+                   help="smoke run: 64 MiB, 2000 small tensors, 5000 tiny tensors, 1 repeat")
     p.add_argument("--out", help="results path prefix (default: benchmarks/results/io_<host>[_quick])")
     args = p.parse_args(argv)
     if args.quick:
-        args.gib, args.small_count, args.repeat = 1 / 16, 2000, 1
+        args.gib, args.small_count, args.tiny_count, args.repeat = 1 / 16, 2000, 5000, 1
+    args.peak_mem = [c for c in args.peak_mem.split(",") if c]
     if args.repeat < 1:
         p.error("--repeat must be >= 1")
     return args
@@ -372,6 +552,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.peak_child:
+        return peak_child(json.loads(args.peak_child))
     warnings.filterwarnings("ignore", module=r"torch\.distributed")
     if args.drop_caches:
         try:
@@ -379,7 +561,7 @@ def main(argv=None):
         except OSError as e:
             sys.exit(f"--drop-caches: cannot write /proc/sys/vm/drop_caches ({e}); run as root")
     import torch.distributed.checkpoint as tdcp
-    libs = {"torch": tdcp}
+    libs = {} if args.no_torch else {"torch": tdcp}
     dcpx_mod, dcpx_err = (None, "--no-dcpx given") if args.no_dcpx else load_dcpx()
     if dcpx_mod:
         libs["dcpx"] = dcpx_mod
@@ -396,9 +578,10 @@ def main(argv=None):
                 repeat=args.repeat, args=vars(args))
     results = {}
     try:
-        for name in (["large", "small"] if args.which == "both" else [args.which]):
+        cases = {"both": ["large", "small"], "all": ["large", "small", "tiny"]}
+        for name in cases.get(args.which, [args.which]):
             print(f"building {name} state dict ...", file=sys.stderr, flush=True)
-            sd = make_large(args.gib) if name == "large" else make_small(args.small_count)
+            sd = make_case(name, args)
             results[name] = run_case(name, sd, libs, args, workdir)
             del sd
             gc.collect()
@@ -416,7 +599,8 @@ def main(argv=None):
     with open(prefix + ".md", "w") as f:
         f.write(render(results, meta, md=True))
     print(f"wrote {prefix}.json and {prefix}.md", file=sys.stderr)
-    failed = [r["label"] for res in results.values() for r in res["ratios"] if r["met"] is False]
+    failed = [r["label"] for res in results.values() for r in res["ratios"] + res["targets_issue12"]
+              if r["met"] is False]
     if failed:
         print("targets not met: " + "; ".join(failed), file=sys.stderr)
 

@@ -1,6 +1,7 @@
 """Reading a many-tensor checkpoint's .metadata with the cyclic garbage
 collector on, and paused as dcpx pauses it (dcpx/_gc.py; docs/design.md,
-"Why the cyclic GC is paused").
+"Why the cyclic GC is paused"); and writing it, with the C encoder
+(csrc/mdpickle.c) and with Python's pickler.
 
 Saves a state dict of COUNT small tensors (bench_io.py's "small" case), then
 times dcpx's safe metadata reader (``dcpx._metadata.loads``: CRC, opcode
@@ -23,8 +24,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import torch  # noqa: E402
+
 import dcpx  # noqa: E402
-from dcpx import _metadata  # noqa: E402
+from dcpx import _C, _metadata  # noqa: E402
 from dcpx._gc import paused_gc  # noqa: E402
 
 from bench_io import make_small  # noqa: E402
@@ -34,11 +37,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--count", type=int, default=20000)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--tiny", action="store_true",
+                   help="COUNT tensors of 4 elements (issue 12's 100,000-tensor case)")
     args = p.parse_args(argv)
 
-    sd = make_small(args.count)
+    if args.tiny:
+        sd = {f"l{i // 10}.p{i % 10}": torch.randn(4) for i in range(args.count)}
+    else:
+        sd = make_small(args.count)
     with tempfile.TemporaryDirectory() as d:
-        dcpx.save(sd, checkpoint_id=d)
+        saved = dcpx.save(sd, checkpoint_id=d)
         path = os.path.join(d, _metadata.METADATA_FN)
         with open(path, "rb") as f:
             data = f.read()
@@ -62,6 +70,29 @@ def main(argv=None):
     print(f"  gc on:     {on:.3f} s  (min {min(times['gc on']):.3f})")
     print(f"  gc paused: {off:.3f} s  (min {min(times['gc paused']):.3f})")
     print(f"  ratio:     {on / off:.1f}x")
+
+    def python_dumps(md):  # _metadata.dumps before csrc/mdpickle.c
+        body = _metadata._python_body(md)
+        return body + _metadata._TRAILER.pack(_metadata._TRAILER_MAGIC, _C.crc32(body),
+                                              len(body))
+
+    assert _metadata._c_body(saved) is not None
+    writes = {"C encoder": [], "pickle": []}
+    sizes = {}
+    for _ in range(args.repeat):
+        for mode, fn in (("C encoder", _metadata.dumps), ("pickle", python_dumps)):
+            with paused_gc():
+                t0 = time.perf_counter()
+                out = fn(saved)
+                writes[mode].append(time.perf_counter() - t0)
+            sizes[mode] = len(out)
+            del out
+    c, py = (statistics.median(writes[m]) for m in ("C encoder", "pickle"))
+    print(f"  write, C encoder: {c:.3f} s  (min {min(writes['C encoder']):.3f}, "
+          f"{sizes['C encoder']} bytes)")
+    print(f"  write, pickle:    {py:.3f} s  (min {min(writes['pickle']):.3f}, "
+          f"{sizes['pickle']} bytes)")
+    print(f"  write speed-up:   {py / c:.1f}x")
 
 
 if __name__ == "__main__":

@@ -233,57 +233,6 @@ CUresult dcpx_cuda_event_create(PyObject *module, int d, CUevent *ev,
     return rc;
 }
 
-void dcpx_cuda_events_destroy(PyObject *module,
-                              CUevent ev[DCPX_CUDA_MAX_DEVICES])
-{
-    for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
-        if (ev[d] != NULL) {
-            CUcontext saved = NULL;
-            dcpx_cu.cuCtxGetCurrent(&saved);
-            dcpx_cu.cuCtxSetCurrent(dcpx_cuda_device_get(module, d)->ctx);
-            dcpx_cu.cuEventDestroy_v2(ev[d]);
-            dcpx_cu.cuCtxSetCurrent(saved);
-        }
-    }
-}
-
-void dcpx_cuda_note(dcpx_cuda_err *e, CUresult rc, const char *call,
-                    Py_ssize_t index, int dev)
-{
-    if (e->rc == CUDA_SUCCESS) {
-        e->rc = rc;
-        e->call = call;
-        e->index = index;
-        e->dev = dev;
-    }
-}
-
-void dcpx_cuda_drain(dcpx_cuda_device *devs[DCPX_CUDA_MAX_DEVICES],
-                     CUevent ev[DCPX_CUDA_MAX_DEVICES],
-                     const int queued[DCPX_CUDA_MAX_DEVICES],
-                     const char *sync_call, dcpx_cuda_err *err)
-{
-    for (int d = 0; d < DCPX_CUDA_MAX_DEVICES; d++) {
-        CUresult rc;
-        if (queued[d] == 0)
-            continue;
-        rc = dcpx_cu.cuCtxSetCurrent(devs[d]->ctx);
-        if (queued[d] == 2 && rc == CUDA_SUCCESS) {
-            rc = dcpx_cu.cuEventSynchronize(ev[d]);
-            if (rc != CUDA_SUCCESS) {
-                dcpx_cuda_note(err, rc, sync_call, -1, d);
-                /* The wait failed, not necessarily the copies: make sure
-                 * none is still running before we return. */
-                dcpx_cu.cuStreamSynchronize(devs[d]->stream);
-            }
-        }
-        else {
-            /* Queued copies without their event: drain the stream. */
-            dcpx_cu.cuStreamSynchronize(devs[d]->stream);
-        }
-    }
-}
-
 int dcpx_cuda_registry_add(void *p, size_t n)
 {
     if (g_nreg == g_capreg) {

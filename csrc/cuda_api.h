@@ -66,12 +66,8 @@ void dcpx_cuda_raise(PyObject *module, CUresult rc, const char *what);
  * by the stager and the loader, which word the error differently. */
 CUresult dcpx_cuda_event_create(PyObject *module, int d, CUevent *ev,
                                 const char **call);
-/* GIL held.  Destroy the events created by dcpx_cuda_event_create (NULL
- * slots skipped), each in its device's context. */
-void dcpx_cuda_events_destroy(PyObject *module,
-                              CUevent ev[DCPX_CUDA_MAX_DEVICES]);
 /* The first failure of a batch of copies: the call, the pair (or -1) and
- * the device.  Shared by the stager and the loader. */
+ * the device. */
 typedef struct {
     CUresult rc;
     const char *call;
@@ -81,15 +77,73 @@ typedef struct {
 /* Record a failure in e unless one is recorded already.  No GIL needed. */
 void dcpx_cuda_note(dcpx_cuda_err *e, CUresult rc, const char *call,
                     Py_ssize_t index, int dev);
-/* No GIL needed.  Wait for every device's queued copies (queued[d]: 0 none,
- * 1 copies without their event, 2 copies and their recorded event), even
- * after an error, so the host buffer is untouched once the caller returns;
- * a failed wait is noted as sync_call on the device.  Leaves the last
- * device's context current: the caller restores its own. */
-void dcpx_cuda_drain(dcpx_cuda_device *devs[DCPX_CUDA_MAX_DEVICES],
-                     CUevent ev[DCPX_CUDA_MAX_DEVICES],
-                     const int queued[DCPX_CUDA_MAX_DEVICES],
-                     const char *sync_call, dcpx_cuda_err *err);
+
+/* One asynchronous copy: n bytes between host memory and device memory of
+ * device `dev`, for pair `index` of the caller's list.  `alloc`: the
+ * caller's key for the device allocation dptr lies in (0: unknown). */
+typedef struct {
+    int dev;
+    CUdeviceptr dptr;
+    char *host;
+    size_t n;
+    Py_ssize_t index;
+    unsigned long long alloc;
+} dcpx_cuda_run;
+
+/* A stream that waits for a device's copies once they are queued (the
+ * loader's consumers). */
+typedef struct {
+    int dev;
+    CUstream stream;
+} dcpx_cuda_stream;
+
+/* A batch of copies in one direction, shared by the stager (csrc/
+ * cuda_stage.c, device to host) and the loader (csrc/cuda_load.c, host to
+ * device): the copy loop, its events and the drain-on-error tail
+ * (csrc/cuda_copy.c).  Set up with the GIL held; queued and waited for
+ * without it. */
+typedef struct {
+    int htod;                      /* 1: host to device; 0: device to host */
+    dcpx_cuda_run *runs;           /* sorted by dcpx_cuda_runs_sort */
+    Py_ssize_t nruns;
+    const dcpx_cuda_stream *cons;  /* waiters on each device's event */
+    Py_ssize_t ncons;
+    dcpx_cuda_device *devs[DCPX_CUDA_MAX_DEVICES];  /* with an event */
+    CUevent ev[DCPX_CUDA_MAX_DEVICES];
+    /* 0 nothing queued, 1 copies without their event, 2 copies and their
+     * recorded event */
+    int queued[DCPX_CUDA_MAX_DEVICES];
+    dcpx_cuda_err err;
+} dcpx_cuda_batch;
+
+/* Sort runs by device, keeping the caller's order within a device; with
+ * `coalesce`, merge runs adjacent both on the device and on the host whose
+ * sources are known to lie in one device allocation (the same non-zero
+ * `alloc` key): a copy spanning two allocations that happen to be adjacent
+ * in the address space is not one the driver guarantees.  Returns the new
+ * number of runs. */
+Py_ssize_t dcpx_cuda_runs_sort(dcpx_cuda_run *runs, Py_ssize_t n,
+                               int coalesce);
+/* GIL held.  Create the event of every device that has a run (context
+ * switched to the device's and restored), setting b->devs.  0, or the
+ * failing CUresult with *call naming the call and *dev the device. */
+CUresult dcpx_cuda_batch_events(PyObject *module, dcpx_cuda_batch *b,
+                                const char **call, int *dev);
+/* No GIL needed.  Per device: make its context current, one async copy
+ * per run on dcpx's stream, record the device's event after its last
+ * copy, and make every consumer stream of the device wait on it.  Stops at
+ * the first failure (noted in b->err).  The caller's context is restored. */
+void dcpx_cuda_batch_queue(dcpx_cuda_batch *b);
+/* No GIL needed.  Wait for every device's queued copies, even after an
+ * error, so the host memory is untouched once this returns; a failed wait
+ * is noted as sync_call on the device.  The caller's context is restored. */
+void dcpx_cuda_batch_wait(dcpx_cuda_batch *b, const char *sync_call);
+/* GIL held.  Raise CudaError for b->err, naming the call, the pair's key
+ * (pairs[index][2] when present, else its index) and the device. */
+void dcpx_cuda_batch_raise(PyObject *module, const dcpx_cuda_batch *b,
+                           PyObject *pairs);
+/* GIL held.  Destroy the batch's events, each in its device's context. */
+void dcpx_cuda_batch_destroy(dcpx_cuda_batch *b);
 /* Whether this process forked after CUDA was set up in its parent: the
  * child must not touch the parent's CUDA state. */
 int dcpx_cuda_forked(void);
@@ -108,5 +162,7 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
                               PyObject *kwds);
 PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
                                    PyObject *kwds);
+PyObject *dcpx_cuda_wait(PyObject *module, PyObject *pending);
+PyObject *dcpx_cuda_stage_wait(PyObject *module, PyObject *pending);
 
 #endif /* DCPX_CUDA_API_H */

@@ -179,10 +179,26 @@ int dcpx_pickle_parse_tensor(const unsigned char *p, size_t n,
 
 /* ------------------------------------------------------------------ */
 /* Types (writer.c, reader.c) and module plumbing (module.c). */
+/* flatten.c: what the state dict walk compares against, imported on
+ * first use; all owned. */
+typedef struct {
+    PyObject *mapping;   /* collections.abc.Mapping */
+    PyObject *tensor;    /* torch.Tensor */
+    PyObject *parameter; /* torch.nn.Parameter */
+    PyObject *token_fn;  /* abc.get_cache_token */
+    PyObject *token;     /* its value when `trusted` was computed */
+    int trusted;         /* the exact types' isinstance() answers hold */
+} dcpx_flatten_types;
+
 typedef struct {
     PyTypeObject *WriteJob_Type;
     PyObject *CudaError; /* dcpx._C.CudaError (csrc/cuda.c) */
+    dcpx_flatten_types flat;
 } dcpx_state;
+
+PyObject *dcpx_flatten_state_dict(PyObject *module, PyObject *state_dict);
+int dcpx_flatten_traverse(dcpx_flatten_types *t, visitproc visit, void *arg);
+void dcpx_flatten_clear(dcpx_flatten_types *t);
 
 extern PyType_Spec dcpx_writejob_spec;
 PyObject *dcpx_read_items(PyObject *module, PyObject *args, PyObject *kwds);
@@ -191,6 +207,7 @@ PyObject *dcpx_copy_into(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_prefault(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_stage_plain(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_check_pickle(PyObject *module, PyObject *args);
+PyObject *dcpx_dump_metadata(PyObject *module, PyObject *args);
 
 /* Run fn(arg) on nthreads threads (at most 64): nthreads - 1 new ones plus
  * the caller's, then join.  Workers share a counter in `arg`, so if a

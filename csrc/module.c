@@ -2,6 +2,7 @@
  * points, and the error helper shared by the other translation units. */
 #include "dcpx.h"
 #include "cuda_api.h"
+#include "gate.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -232,6 +233,14 @@ PyDoc_STRVAR(check_pickle_doc,
              "to hand to the unpickler (bounded memo indices, lengths inside "
              "the data, no persistent ids, extensions or out-of-band buffers).");
 
+PyDoc_STRVAR(dump_metadata_doc,
+             "dump_metadata($module, metadata, kinds, protocol, /)\n--\n\n"
+             "The pickle of a DCP Metadata object graph, written in C "
+             "(csrc/mdpickle.c); it loads to objects equal to pickle.dumps's. "
+             "kinds: {type: (kind, reducer)} for the non-builtin types "
+             "(dcpx/_metadata.py builds it).  None when the graph holds "
+             "anything else: the caller then uses Python's pickler.");
+
 PyDoc_STRVAR(cuda_version_doc,
              "cuda_driver_version($module, /)\n--\n\n"
              "Load the CUDA driver (libcuda.so.1, or $DCPX_LIBCUDA) and return "
@@ -255,22 +264,54 @@ PyDoc_STRVAR(cuda_release_doc,
              "streams, release the primary contexts (interpreter exit).");
 
 PyDoc_STRVAR(cuda_copy_doc,
-             "cuda_copy_into($module, pairs, base, wait_streams=())\n--\n\n"
+             "cuda_copy_into($module, pairs, base, wait_streams=(), "
+             "wait=True, segment_bytes=64 MiB)\n--\n\n"
              "Copy CUDA tensors into a host staging buffer on dcpx's own "
              "stream, after the producer's pending work, and wait for the "
              "copies without the GIL.  pairs: [(src, byte_offset[, name])]; "
-             "wait_streams: [(device, stream_handle)] to order after "
+             "wait_streams: [(device, stream_handle)] to order after.  With "
+             "wait=False, return (gate, pending) once the copies are queued "
+             "in segments of segment_bytes: cuda_stage_wait(pending) waits, "
+             "and writer items gated on `gate` wait for their segment "
              "(csrc/cuda_stage.c).");
 
 PyDoc_STRVAR(cuda_load_doc,
-             "cuda_copy_from_host($module, pairs, consumer_streams=())\n--\n\n"
+             "cuda_copy_from_host($module, pairs, consumer_streams=(), "
+             "wait=True)\n--\n\n"
              "Copy host buffers into CUDA tensors on dcpx's own stream, "
              "after the consumer streams' pending work and before their "
              "later work (events), and wait for the copies without the GIL. "
              " pairs: [(dst, src, name)]; consumer_streams: [(device, "
-             "stream_handle)] (csrc/cuda_load.c).");
+             "stream_handle)].  With wait=False, return once the copies are "
+             "queued: a handle for cuda_wait (csrc/cuda_load.c).");
+
+PyDoc_STRVAR(cuda_wait_doc,
+             "cuda_wait($module, pending, /)\n--\n\n"
+             "Wait, without the GIL, for the copies of "
+             "cuda_copy_from_host(..., wait=False); raise CudaError naming "
+             "the call, key and device if one failed.  Idempotent.");
+
+PyDoc_STRVAR(cuda_stage_wait_doc,
+             "cuda_stage_wait($module, pending, /)\n--\n\n"
+             "Wait, without the GIL, for the segments of cuda_copy_into(..., "
+             "wait=False), publishing each on its staging gate as it "
+             "completes; raise CudaError (call, key, device) if a copy "
+             "failed, after failing the gate.  Idempotent.");
+
+PyDoc_STRVAR(gate_stats_doc,
+             "gate_stats($module, gate, /)\n--\n\n"
+             "(ready_bytes, failed, writers_blocked) of a staging gate (the "
+             "writers waiting for bytes not yet published): for tests "
+             "(csrc/gate.c).");
+
+PyDoc_STRVAR(flatten_doc,
+             "flatten_state_dict($module, state_dict, /)\n--\n\n"
+             "(flat, mappings) exactly as torch's flatten_state_dict returns "
+             "them, from one C walk; None where the walk cannot be sure to "
+             "match torch (then call torch's; csrc/flatten.c says when).");
 
 static PyMethodDef dcpx_methods[] = {
+    {"flatten_state_dict", dcpx_flatten_state_dict, METH_O, flatten_doc},
     {"cuda_driver_version", dcpx_cuda_driver_version, METH_NOARGS,
      cuda_version_doc},
     {"cuda_host_register", dcpx_cuda_host_register, METH_VARARGS,
@@ -284,7 +325,11 @@ static PyMethodDef dcpx_methods[] = {
     {"cuda_copy_from_host",
      (PyCFunction)(void (*)(void))dcpx_cuda_copy_from_host,
      METH_VARARGS | METH_KEYWORDS, cuda_load_doc},
+    {"cuda_wait", dcpx_cuda_wait, METH_O, cuda_wait_doc},
+    {"cuda_stage_wait", dcpx_cuda_stage_wait, METH_O, cuda_stage_wait_doc},
+    {"gate_stats", dcpx_gate_stats, METH_O, gate_stats_doc},
     {"check_pickle", dcpx_check_pickle, METH_VARARGS, check_pickle_doc},
+    {"dump_metadata", dcpx_dump_metadata, METH_VARARGS, dump_metadata_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},
     {"stage_plain", (PyCFunction)(void (*)(void))dcpx_stage_plain,
@@ -337,7 +382,7 @@ static int dcpx_traverse(PyObject *m, visitproc visit, void *arg)
     dcpx_state *st = PyModule_GetState(m);
     Py_VISIT(st->WriteJob_Type);
     Py_VISIT(st->CudaError);
-    return 0;
+    return dcpx_flatten_traverse(&st->flat, visit, arg);
 }
 
 static int dcpx_clear(PyObject *m)
@@ -345,6 +390,7 @@ static int dcpx_clear(PyObject *m)
     dcpx_state *st = PyModule_GetState(m);
     Py_CLEAR(st->WriteJob_Type);
     Py_CLEAR(st->CudaError);
+    dcpx_flatten_clear(&st->flat);
     return 0;
 }
 

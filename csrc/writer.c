@@ -5,6 +5,9 @@
  *       item:  bytes                      a raw "bytes item"
  *            | (tensor, storage_type)     a tensor, written as a
  *                                         torch.save archive
+ *            | (tensor, storage_type, gate)  the same, its bytes read only
+ *                                         once the staging gate says they
+ *                                         are final (csrc/gate.h)
  *   job.layout()  -> [[(offset, length), ...] per file]   (known at once)
  *   job.start()   starts the threads;  job.wait() joins them (GIL released)
  *   job.cancel()  asks the threads to stop at the next chunk
@@ -26,6 +29,7 @@
  * and CRC'd from the gathered copy.
  */
 #include "dcpx.h"
+#include "gate.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -52,6 +56,8 @@ typedef struct {
     /* tensor item */
     dcpx_view view;        /* owned: released after join */
     dcpx_archive arc;      /* owned */
+    dcpx_gate *gate;       /* owned reference, or NULL: wait for it before
+                              reading the tensor's bytes */
     /* layout */
     uint64_t offset;       /* archive start in the file */
     uint64_t length;
@@ -290,6 +296,17 @@ static int write_file(WriteJob *job, wfile *f)
             goto out;
         }
         batch_add(b, zeros, (size_t)(it->offset - end)); /* alignment gap */
+        if (it->gate != NULL &&
+            dcpx_gate_wait(it->gate, it->view.data,
+                           (size_t)it->view.nbytes) < 0) {
+            /* Its device-to-host copy failed: the save fails (the
+             * staging's own error says why; not ECANCELED, which
+             * WriteJob.wait reports only after another failure). */
+            errno = EIO;
+            f->what = "wait for the staging copies (a device-to-host copy "
+                      "failed)";
+            goto out;
+        }
         if (!it->is_tensor) {
             batch_add(b, it->bytes, it->bytes_len);
         }
@@ -348,7 +365,7 @@ static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial)
         it->length = it->bytes_len;
         return PyList_Append(self->keep, obj);
     }
-    PyObject *tensor;
+    PyObject *tensor, *gate = NULL;
     const char *stype;
     if (!PyTuple_Check(obj)) {
         PyErr_Format(PyExc_TypeError,
@@ -356,9 +373,15 @@ static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial)
                      "not %.200s", Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (!PyArg_ParseTuple(obj, "Os;dcpx: item must be bytes or (tensor, "
-                               "storage_type)", &tensor, &stype))
+    if (!PyArg_ParseTuple(obj, "Os|O;dcpx: item must be bytes or (tensor, "
+                               "storage_type[, gate])", &tensor, &stype,
+                          &gate))
         return -1;
+    if (gate != NULL && gate != Py_None) {
+        if ((it->gate = dcpx_gate_from(gate)) == NULL)
+            return -1;
+        dcpx_gate_incref(it->gate);
+    }
     if (dcpx_view_from_object(tensor, &it->view, 0) < 0)
         return -1;
     it->is_tensor = 1;
@@ -428,6 +451,8 @@ static void release_items(WriteJob *self)
         for (Py_ssize_t j = 0; j < f->n; j++) {
             dcpx_view_release(&f->items[j].view);
             dcpx_archive_free(&f->items[j].arc);
+            dcpx_gate_decref(f->items[j].gate);
+            f->items[j].gate = NULL;
         }
         PyMem_RawFree(f->items);
         PyMem_RawFree(f->path);

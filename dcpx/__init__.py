@@ -46,9 +46,11 @@ from .filesystem import FileSystemReader, FileSystemWriter
 from .manager import CheckpointManager
 from .staging import DefaultStager, StagingOptions, release_staging_buffers
 from ._compat import load_state_dict, save_state_dict, torch_public_names
-# (fsspec storage: dcpx's own FsspecWriter / FsspecReader are imported here
-# when it has them; until then the loop below takes torch's where the
-# installed torch exports them.)
+# dcpx's own fsspec storage (fsspec itself is imported on first use): where
+# an installed torch exports FsspecWriter / FsspecReader at the top level,
+# ``dcpx.FsspecWriter`` must still be dcpx's (C writer, CRCs, commit last),
+# not torch's taken by the loop below.
+from .fsspec import FsspecReader, FsspecWriter
 
 __version__ = "0.1.0"
 
@@ -64,6 +66,8 @@ __all__ = [
     "release_staging_buffers",
     "FileSystemWriter",
     "FileSystemReader",
+    "FsspecWriter",
+    "FsspecReader",
     "Stateful",
     "Metadata",
     "MetadataIndex",

@@ -4,7 +4,8 @@ semantics.
 Two paths, one format:
 
 * **fast path** (no process group in use, default planner, dcpx storage):
-  dcpx flattens the state dict with torch's own ``flatten_state_dict``, builds
+  dcpx flattens the state dict by torch's ``flatten_state_dict`` rules (one C
+  walk, ``_flatten.py``; torch's own function where it cannot be sure), builds
   the metadata itself in one pass (no SavePlan / WriteItem objects, no
   planner round trips) and hands the tensors to the C writer or reader.
 * **generic path** (a process group, a custom planner, DTensor / sharded
@@ -20,7 +21,6 @@ from typing import Any, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _dist, _locks, _metadata
 from ._files import DCP_VERSION, LOCAL_PROTOCOLS, url_protocol
+from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._pending import _Entry, tensor_payload, value_payload
 from ._reader import FileSystemReader
@@ -176,10 +177,11 @@ def fast_path_eligible(storage_writer, planner, no_dist: bool) -> bool:
 
 @checkpoint_errors()  # a failure is a torch CheckpointException (dcpx.errors)
 def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
-               prepare=tensor_payload) -> Metadata:
+               prepare=tensor_payload, before_commit=None) -> Metadata:
     """Plan, write and commit a flat single-process state dict.  The metadata
     is encoded while the C threads write; the GIL is released while they
-    finish."""
+    finish.  ``before_commit()``, if given, runs once the data files are
+    written; if it raises, they are removed and nothing is committed."""
     try:
         with paused_gc():
             metadata, pending = plan_local_save(writer, flat, mappings, prepare)
@@ -190,6 +192,12 @@ def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
                 pending.abort()
                 raise
         pending.wait()
+        if before_commit is not None:
+            try:
+                before_commit()
+            except BaseException:
+                pending.discard()
+                raise
         writer.commit(metadata, data)
     finally:
         writer._release_tag()  # a failed save's lock (commit releases its own)

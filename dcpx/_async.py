@@ -111,6 +111,14 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
     if isinstance(process_group, _dist.AsyncTicket):
         with process_group.turn() as pg:
             return _upload(staged, stager, writer, planner, pg, no_dist, use_collectives)
+    if (isinstance(staged, Future) and isinstance(stager, DefaultStager)
+            and not _dist_in_use(no_dist) and fast_path_eligible(writer, planner, no_dist)):
+        early = stager.early_for(staged)
+        queued = early.result() if early is not None else None
+        if queued is not None:
+            done = _upload_during_staging(staged, queued, stager, writer)
+            if done is not None:
+                return done
     if isinstance(staged, Future):
         try:
             staged = staged.result()
@@ -118,6 +126,8 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
             err = staging_error(e, writer)
             if dist_path_eligible(writer, planner, no_dist):
                 _dist.abort_save(process_group, err)  # the other ranks raise too
+            if _dist_in_use(no_dist):  # torch's planner: tell them through its collectives
+                _dist.abort_torch_save(process_group, err, writer, use_collectives)
             raise err
     if _dist_in_use(no_dist):
         sharded = None
@@ -138,6 +148,31 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
                     process_group=process_group, no_dist=no_dist,
                     use_collectives=use_collectives)
     return save_local(writer, *fast, prepare=staged_payload)
+
+
+def _upload_during_staging(staging: Future, queued: tuple, stager: DefaultStager, writer):
+    """The fast-path upload of a state dict whose CUDA copies are still
+    running: each writer thread reads a CUDA-staged tensor only once the
+    staging gate says its segment is on the host (csrc/gate.c), so writing
+    overlaps the copies.  Commits only after the whole staging succeeded;
+    a failed copy fails the gate, the writes and the save, with the
+    staging's error.  None if the stager no longer holds that state dict."""
+    staged, gate, keys = queued
+    fast = stager.flat_of(staged)
+    if fast is None:
+        return None
+
+    def prepare(t: torch.Tensor, key: str) -> tuple:
+        payload = staged_payload(t, key)
+        return (*payload, gate) if key in keys else payload
+
+    try:
+        return save_local(writer, *fast, prepare=prepare, before_commit=staging.result)
+    except BaseException as e:
+        err = staging.exception()  # waits: a failed gate means a failed staging
+        if err is None:
+            raise
+        raise staging_error(err, writer) from (None if err is e else e)
 
 
 def async_save(
@@ -192,17 +227,18 @@ def async_save(
             raise staging_error(e, writer)
 
         # Saves into one directory run one at a time, in call order: the upload
-        # gets ``staged`` only once earlier saves into it have finished, and
-        # only once this call returns (``start``): until then it waits without
-        # the GIL instead of taking it from this thread, which would then wait
-        # for it, 5 ms a switch, while the upload plans (~20 ms of blocking at
-        # 20,000 tensors).
-        start: Future = Future()
+        # gets ``staged`` only once earlier saves into it have finished.  A
+        # state dict staged in this call is handed over only once this call
+        # returns (``start``): until then the upload waits without the GIL
+        # instead of taking it from this thread, which would then wait for
+        # it, 5 ms a switch, while the upload plans.  (A staging Future goes
+        # as it is: the upload may start on it early, early_for.)
+        start: Optional[Future] = None if isinstance(staged, Future) else Future()
         key = _locks.dir_key(writer)
         with _locks.submitting():
             turn = _locks.enter(key)
             try:
-                args = (_locks.gate(start, turn), async_stager, writer, planner, process_group,
+                args = (_locks.gate(staged if start is None else start, turn), async_stager, writer, planner, process_group,
                         no_dist, use_collectives)
                 if process:
                     from ._process import submit_process_upload
@@ -218,7 +254,8 @@ def async_save(
             if isinstance(async_stager, DefaultStager):
                 async_stager.lease_to(upload)
         finally:
-            _locks._relay(staged, start)  # the upload may start
+            if start is not None:
+                start.set_result(staged)  # the upload may start
     except BaseException:
         if isinstance(process_group, _dist.AsyncTicket):
             process_group.abandon()  # no upload: this save counts as failed here

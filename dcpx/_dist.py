@@ -336,6 +336,28 @@ def abort_save(group, error: BaseException) -> None:
     raise error
 
 
+def abort_torch_save(group, error: BaseException, writer, use_collectives: bool = True) -> None:
+    """As ``abort_save``, for a save that torch's planner drives (a storage
+    writer or planner of the user's): this rank enters torch's save with a
+    planner that fails at once, so that torch's first collective tells the
+    other ranks (a CheckpointException naming this rank's error) instead of
+    leaving them to wait for it until the group's timeout; then raises
+    ``error``.  Nothing is written: torch plans before it writes."""
+    if use_collectives:
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+        from torch.distributed.checkpoint.state_dict_saver import save as torch_save
+
+        class _Failed(DefaultSavePlanner):
+            def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+                raise error
+
+        try:
+            torch_save({}, storage_writer=writer, planner=_Failed(), process_group=group)
+        except Exception:
+            pass
+    raise error
+
+
 class AsyncGroup:
     """async_save's own gloo group for one user group, with the same ranks,
     so that the upload's collectives never interleave with the training's.

@@ -18,6 +18,7 @@ dtypes, layouts, paths and plain containers); anything else, e.g. a crafted
 """
 from __future__ import annotations
 
+import copyreg
 import io
 import pathlib
 import pickle
@@ -88,11 +89,78 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+_PROTOCOL = min(pickle.HIGHEST_PROTOCOL, 5)
+
+
 def dumps(metadata: _md.Metadata) -> bytes:
-    out = io.BytesIO()
-    _Pickler(out, protocol=min(pickle.HIGHEST_PROTOCOL, 5)).dump(metadata)
-    body = out.getvalue()
+    """The .metadata file's bytes: the pickle, written by the C encoder
+    (csrc/mdpickle.c) when the object graph is made of DCP metadata types
+    only, else by Python's pickler; then the trailer."""
+    body = _c_body(metadata)
+    if body is None:
+        body = _python_body(metadata)
     return body + _TRAILER.pack(_TRAILER_MAGIC, _C.crc32(body), len(body))
+
+
+def _python_body(metadata: Any) -> bytes:
+    out = io.BytesIO()
+    _Pickler(out, protocol=_PROTOCOL).dump(metadata)
+    return out.getvalue()
+
+
+def _c_body(metadata: Any) -> bytes | None:
+    """The pickle from csrc/mdpickle.c, or None when the graph holds an
+    object outside its closed set of types."""
+    global _KINDS
+    if _KINDS is None:
+        _KINDS = _c_kinds()
+    return _C.dump_metadata(metadata, _KINDS, _PROTOCOL)
+
+
+# Kinds of csrc/mdpickle.c (see its header comment).
+_KIND_PLAIN, _KIND_GETSTATE, _KIND_STORAGE, _KIND_SIZE, _KIND_REDUCE = range(5)
+_KINDS: dict | None = None
+
+
+def _new_and_state(cls: type) -> bool:
+    """cls pickles as object.__reduce_ex__ does it: copyreg.__newobj__
+    (cls.__new__(cls), NEWOBJ) then the state, BUILD."""
+    return (cls not in copyreg.dispatch_table
+            and cls.__reduce_ex__ is object.__reduce_ex__
+            and cls.__reduce__ is object.__reduce__
+            and not hasattr(cls, "__getnewargs_ex__")
+            and not hasattr(cls, "__getnewargs__")
+            and not any("__slots__" in vars(c) for c in cls.__mro__))
+
+
+def _c_kinds() -> dict:
+    """{type: (kind, reducer)} for the C encoder: each type only if it still
+    pickles the way its kind writes it (checked here, once per process, so
+    that a torch that changes a reduction gets Python's pickler instead)."""
+    default_getstate = getattr(object, "__getstate__", None)
+    kinds: dict = {}
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                 "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                 "StorageMeta"):
+        cls = getattr(_md, name, None)
+        if cls is None or not _new_and_state(cls):
+            continue
+        if getattr(cls, "__getstate__", None) is default_getstate:
+            kinds[cls] = (_KIND_PLAIN, None)
+        else:
+            kinds[cls] = (_KIND_GETSTATE, None)
+    if _new_and_state(_StorageInfo):
+        kinds[_StorageInfo] = (_KIND_STORAGE, None)
+    size = torch.Size([2, 3])
+    if torch.Size not in copyreg.dispatch_table and \
+            size.__reduce_ex__(_PROTOCOL) == (torch.Size, ((2, 3),)):
+        kinds[torch.Size] = (_KIND_SIZE, None)
+    for cls in (torch.dtype, torch.layout, torch.memory_format,
+                getattr(_md, "_MEM_FORMAT_ENCODING", None), pathlib.PurePosixPath,
+                pathlib.PosixPath, pathlib.PureWindowsPath):
+        if cls is not None:
+            kinds[cls] = (_KIND_REDUCE, copyreg.dispatch_table.get(cls))
+    return kinds
 
 
 _SIZES: dict = {}

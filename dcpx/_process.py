@@ -182,9 +182,13 @@ class _Worker:
         to the checkpoint process (pickled), which runs the whole save.  A
         state dict staged into dcpx's shared memory is sent as its layout
         (the worker maps the same pages); any other one by value."""
+        from .errors import staging_error
         from .staging import DefaultStager
         if isinstance(staged, Future):
-            staged = staged.result()
+            try:
+                staged = staged.result()
+            except Exception as e:
+                raise staging_error(e, writer)
         layout = stager.shared_layout_of(staged) if isinstance(stager, DefaultStager) else None
         if layout is not None and all(type(t) in (torch.Tensor, torch.nn.Parameter)
                                       for t in layout.flat.values()
@@ -209,11 +213,15 @@ class _Worker:
         state dict) pickled, as torch's checkpoint process gets them."""
         from . import _dist
         from ._api import save
+        from .errors import staging_error
         if isinstance(group, _dist.AsyncTicket):
             with group.turn() as pg:
                 return self.run_torch_dist(staged, writer, planner, pg, use_collectives)
         if isinstance(staged, Future):
-            staged = staged.result()
+            try:
+                staged = staged.result()
+            except Exception as e:  # the other ranks, in torch's save, raise too
+                _dist.abort_torch_save(group, staging_error(e, writer), writer, use_collectives)
         return save(staged, storage_writer=_RemoteWriter(writer, self), planner=planner,
                     process_group=group, use_collectives=use_collectives)
 

@@ -423,13 +423,16 @@ class FileSystemReader(StorageReader):
     def _read_to_devices(self, reads: Sequence[_TensorRead]) -> None:
         """Reads into contiguous CUDA tensors of the saved dtype and shape:
         the C readers read each chunk into the process's page-locked load
-        buffer (``_PINNED_LOAD`` bytes, batches that fit it, one load at a
-        time), then ``_C.cuda_copy_from_host`` copies it to the device on
-        dcpx's own stream, after the work queued so far on each device's
-        current stream and before that stream's later work (events), and
-        returns once the buffer may be reused.  A chunk larger than the
-        buffer goes through a pageable temporary of its own."""
-        def flush(batch: list) -> None:
+        buffer (``_PINNED_LOAD`` bytes, one load at a time), then
+        ``_C.cuda_copy_from_host`` copies it to the device on dcpx's own
+        stream, after the work queued so far on each device's current
+        stream and before that stream's later work (events).  The buffer
+        is used as two halves: while one half's copies run, the next batch
+        is read into the other; before a half is read into again, its
+        copies are waited for (``_C.cuda_wait``).  A chunk larger than a
+        half goes through the whole buffer once both halves are idle, one
+        larger than the buffer through a pageable temporary of its own."""
+        def copy(batch: list, wait: bool) -> Any:
             # The host slices are the reads' targets: contiguous CPU, same
             # dtype and shape, so _read_batch reads straight into them (and
             # handles torch-only records and errors, naming the key).
@@ -442,26 +445,58 @@ class FileSystemReader(StorageReader):
                 pairs.append((t, dlpack_view(h), r.key))
             consumers = [(dev.index, torch.cuda.current_stream(dev).cuda_stream)
                          for dev in {r.target.device for r, _ in batch}]
-            _C.cuda_copy_from_host(pairs, consumer_streams=consumers)
+            return _C.cuda_copy_from_host(pairs, consumer_streams=consumers, wait=wait)
+
+        pending: list = [None, None]  # per half: its copies in flight
+
+        def idle(i: int) -> None:
+            p, pending[i] = pending[i], None
+            if p is not None:
+                _C.cuda_wait(p)
+
+        def start(i: int, batch: list) -> None:
+            idle(i)  # never read into a half whose copies still run
+            pending[i] = copy(batch, wait=False)
 
         with _pinned_lock:
             buf = _pinned_load_buffer()
-            batch: list = []
-            used = 0
-            for r in reads:
-                size = r.chunk.numel() * r.dtype.itemsize
-                if size > _PINNED_LOAD:
-                    flush([(r, torch.empty(r.chunk, dtype=r.dtype))])
-                    continue
-                off = -(-used // 64) * 64
-                if off + size > _PINNED_LOAD:
-                    flush(batch)
-                    batch, off = [], 0
-                host = buf[off:off + size].view(r.dtype).view(r.chunk)
-                batch.append((r, host))
-                used = off + size
-            if batch:
-                flush(batch)
+            half = _PINNED_LOAD // 2 // 64 * 64
+            halves = (buf[:half], buf[half:2 * half])
+            try:
+                cur, batch, used = 0, [], 0
+                for r in reads:
+                    size = r.chunk.numel() * r.dtype.itemsize
+                    if size > _PINNED_LOAD:
+                        copy([(r, torch.empty(r.chunk, dtype=r.dtype))], wait=True)
+                        continue
+                    if size > half:
+                        if batch:
+                            start(cur, batch)
+                            cur, batch, used = cur ^ 1, [], 0
+                        idle(cur ^ 1)
+                        idle(cur)
+                        copy([(r, buf[:size].view(r.dtype).view(r.chunk))], wait=True)
+                        continue
+                    off = -(-used // 64) * 64
+                    if off + size > half:
+                        start(cur, batch)
+                        cur, batch, off = cur ^ 1, [], 0
+                    host = halves[cur][off:off + size].view(r.dtype).view(r.chunk)
+                    batch.append((r, host))
+                    used = off + size
+                if batch:
+                    start(cur, batch)
+                idle(cur ^ 1)  # the older first: its error is the earlier one
+                idle(cur)
+            except BaseException:
+                # Nothing may still copy out of the buffer once the lock is
+                # released: wait for both halves; the first error is raised.
+                for i in (0, 1):
+                    try:
+                        idle(i)
+                    except _C.CudaError:
+                        pass
+                raise
 
     def _read_batch(self, direct: Sequence[_TensorRead], staged: Sequence[_TensorRead]) -> None:
         """One C read of ``direct`` reads (into their targets) and ``staged``

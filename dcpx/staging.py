@@ -16,7 +16,10 @@ and its ``StagingOptions``.  What is dcpx's own:
   (``dcpx._C.cuda_copy_into``, csrc/cuda_stage.c: the driver API on dcpx's
   own stream per device, ordered after the producer's current stream,
   completion waited for on events without the GIL; docs/design.md, "CUDA
-  path").
+  path").  With asynchronous staging the copies complete segment by
+  segment, and the upload's writer threads start on each segment as soon
+  as it is on the host (``early_for``; "Copy/write overlap in
+  async_save").
 * **One upload per buffer.**  A stager's buffer is leased to the upload of
   the checkpoint staged into it; the next ``stage()`` first waits for that
   upload to finish (docs/design.md, "In-flight policy").
@@ -41,10 +44,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from . import _C
 from ._dtypes import _TO_DLPACK, dlpack_export, dlpack_view
+from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._pending import check_saveable
 
@@ -58,6 +61,10 @@ __all__ = ["StagingOptions", "DefaultStager", "release_staging_buffers"]
 
 _PAGE = mmap.PAGESIZE
 _ALIGN = 64
+#: asynchronous staging of CUDA tensors: the staging buffer's copies are
+#: waited for in segments of at least this many bytes, and the upload's
+#: writer threads start on each segment as it completes
+_SEGMENT = 64 << 20
 
 
 @dataclass
@@ -324,6 +331,10 @@ class DefaultStager:
         self._returned: Optional[dict] = None  # what the last stage() returned
         self._staging_future: Optional[Future] = None
         self._lease: Optional[Future] = None  # the upload reading our buffer
+        # (staging future, Future of (staged, gate, gated keys) or None): set
+        # once asynchronous staging has queued its CUDA copies, so that the
+        # upload can start writing while they run (early_for)
+        self._early: Optional[tuple] = None
         self._lock = threading.Lock()
         self._closed = False
         _stagers.add(self)
@@ -340,7 +351,10 @@ class DefaultStager:
             # The dcpx-stage thread's current stream is not the caller's:
             # the copies are ordered after the caller's, taken here.
             streams = self._caller_streams() if self._cuda else None
-            self._staging_future = self._executor.submit(self._stage, state_dict, streams)
+            early: Optional[Future] = Future() if self._cuda else None
+            self._staging_future = self._executor.submit(self._stage, state_dict, streams,
+                                                         early)
+            self._early = (self._staging_future, early) if early is not None else None
             return self._staging_future
         return self._stage(state_dict)
 
@@ -377,6 +391,7 @@ class DefaultStager:
         self._staging_future = None
         self._lease = None
         self._returned = None
+        self._early = None
         layout, self._layout = self._layout, None
         if layout is not None:
             layout.buffer.pinned = False  # a registration of the parent's CUDA context
@@ -419,6 +434,16 @@ class DefaultStager:
             return layout
         return None
 
+    def early_for(self, staging: Future) -> Optional[Future]:
+        """For the staging future this stager's last ``stage()`` returned: a
+        Future set as soon as its CUDA copies are queued, to ``(staged,
+        gate, keys)`` (the staged state dict, the C staging gate the copies
+        publish, the keys staged from CUDA), or to None when the upload must
+        wait for the whole staging (no CUDA copies, another accelerator's,
+        or a failure before the copies).  None for any other future."""
+        early = self._early
+        return early[1] if early is not None and early[0] is staging else None
+
     def flat_of(self, staged: dict) -> Optional[tuple]:
         """(flat, mappings) of a state dict this stager returned, so the
         upload need not flatten it again."""
@@ -439,24 +464,30 @@ class DefaultStager:
         dev = torch.cuda.current_device()
         return {dev: torch.cuda.current_stream(torch.device("cuda", dev)).cuda_stream}
 
-    def _stage(self, state_dict: dict, streams: Optional[dict] = None) -> dict:
-        with paused_gc():
-            return self._stage_flat(state_dict, *flatten_state_dict(state_dict), streams=streams)
+    def _stage(self, state_dict: dict, streams: Optional[dict] = None,
+               early: Optional[Future] = None) -> dict:
+        try:
+            with paused_gc():
+                return self._stage_flat(state_dict, *flatten_state_dict(state_dict),
+                                        streams=streams, early=early)
+        finally:
+            if early is not None and not early.done():
+                early.set_result(None)  # the upload waits for the whole staging
 
     def _stage_flat(self, state_dict: dict, flat: dict, mappings: dict,
-                    streams: Optional[dict] = None) -> dict:
+                    streams: Optional[dict] = None, early: Optional[Future] = None) -> dict:
         with self._lock:
             layout = self._layout
-            if layout is not None and self._reuse(layout, state_dict, flat, mappings, streams):
+            if layout is not None and self._reuse(layout, state_dict, flat, mappings, streams,
+                                                  early):
                 self.reuse_count += 1
             else:
-                layout = self._stage_new(state_dict, flat, mappings, streams)
+                self._stage_new(state_dict, flat, mappings, streams, early)
             self.stage_count += 1
-            self._returned = staged = _fresh(layout.tree, layout.flat)
-            return staged
+            return self._returned
 
     def _reuse(self, layout: _Layout, state_dict: dict, flat: dict, mappings: dict,
-               streams: Optional[dict]) -> bool:
+               streams: Optional[dict], early: Optional[Future] = None) -> bool:
         """Stage into ``layout`` as planned when ``flat`` has its layout:
         the same keys in the same order, the same mappings, and at every key
         a value of the same kind (checked per tensor in C for the plain
@@ -476,16 +507,19 @@ class DefaultStager:
                 return False
         for i, k, _ in layout.others:  # the errors dcpx.save gives, naming the key
             check_saveable(_local(values[i]), k)
+        for i, k in layout.values:  # (redone by _stage_new if the check below fails)
+            layout.flat[k] = copy.deepcopy(values[i])
         if not _C.stage_plain(values, layout.plain, layout.buffer.base,
                               threads=_copy_threads()):
             return False
-        self._copy_entries(layout, [(k, values[i]) for i, k, _ in layout.others], streams)
-        for i, k in layout.values:
-            layout.flat[k] = copy.deepcopy(values[i])
+        # This stage's dict, before the CUDA copies (the upload may start on it).
+        self._returned = _fresh(layout.tree, layout.flat)
+        self._copy_entries(layout, [(k, values[i]) for i, k, _ in layout.others], streams,
+                           early)
         return True
 
     def _stage_new(self, state_dict: dict, flat: dict, mappings: dict,
-                   streams: Optional[dict]) -> _Layout:
+                   streams: Optional[dict], early: Optional[Future] = None) -> _Layout:
         """Stage a state dict of a new layout (or one whose tensors changed
         kind): check every tensor, reuse the buffer if the signature is the
         same, copy every entry, and plan the next stages."""
@@ -516,10 +550,12 @@ class DefaultStager:
                 tensors.append((k, v))
             else:
                 layout.flat[k] = copy.deepcopy(v)
-        self._copy_entries(layout, tensors, streams)
+        self._returned = _fresh(layout.tree, layout.flat)
+        self._copy_entries(layout, tensors, streams, early)
         return layout
 
-    def _copy_entries(self, layout: _Layout, items: list, streams: Optional[dict]) -> None:
+    def _copy_entries(self, layout: _Layout, items: list, streams: Optional[dict],
+                      early: Optional[Future] = None) -> None:
         """Copy tensors [(key, tensor)] into their places in the buffer:
         host memory by the C copy, CUDA by the C CUDA path, other devices by
         torch."""
@@ -535,13 +571,17 @@ class DefaultStager:
         if host_pairs:
             _C.copy_into(host_pairs, threads=_copy_threads(), base=layout.buffer.base)
         if cuda_pairs:
-            self._copy_from_devices(cuda_pairs, layout.buffer.base, streams)
+            # The upload may start once the copies are queued (no other
+            # accelerator's copy_ follows them): it gets this stage's dict.
+            on_queued = (_set_queued(early, self._returned, cuda_pairs)
+                         if early is not None and not other_pairs else None)
+            self._copy_from_devices(cuda_pairs, layout.buffer.base, streams, on_queued)
         for src, dst in other_pairs:
             dst.detach().copy_(src)
 
     @staticmethod
     def _copy_from_devices(pairs: list, base: torch.Tensor,
-                           streams: Optional[dict] = None) -> None:
+                           streams: Optional[dict] = None, on_queued=None) -> None:
         """Device-to-host copies by the C CUDA path (csrc/cuda_stage.c):
         on dcpx's own stream per device, ordered after the work queued so
         far on each device's current stream, or the stream ``streams``
@@ -549,17 +589,43 @@ class DefaultStager:
         thread) (an event recorded there),
         returning once every byte is in ``base``.  pairs: [(tensor,
         byte_offset, key)].  A non-contiguous tensor is made contiguous on
-        its device first (on the current stream, so the event covers it)."""
+        its device first (on the current stream, so the event covers it).
+        Each pair carries its storage's address as the allocation key: the
+        C path merges copies of adjacent tensors only within one storage
+        (one block of torch's caching allocator, so one device
+        allocation), never across two allocations that merely touch.
+
+        With ``on_queued``, the copies are waited for segment by segment
+        (``_SEGMENT`` bytes): ``on_queued(gate)`` is called once they are
+        all queued, with the C staging gate on which each segment is
+        published as it completes (writer items gated on it wait for their
+        bytes); this still returns only after the last copy."""
         items = []
         for v, off, key in pairs:
             v = dlpack_view(v.detach())
             if not v.is_contiguous():
                 v = v.contiguous()
-            items.append((_TO_DLPACK(v) if _TO_DLPACK is not None else v, off, key))
+            alloc = v.untyped_storage().data_ptr()
+            items.append((_TO_DLPACK(v) if _TO_DLPACK is not None else v, off, key, alloc))
         waits = [(dev.index, streams[dev.index] if streams and dev.index in streams
                   else torch.cuda.current_stream(dev).cuda_stream)
                  for dev in {v.device for v, _, _ in pairs}]
-        _C.cuda_copy_into(items, base, wait_streams=waits)
+        if on_queued is None:
+            _C.cuda_copy_into(items, base, wait_streams=waits)
+            return
+        gate, pending = _C.cuda_copy_into(items, base, wait_streams=waits, wait=False,
+                                          segment_bytes=_SEGMENT)
+        try:
+            on_queued(gate)
+        finally:
+            _C.cuda_stage_wait(pending)  # publishes the segments; raises a copy's error
+
+
+def _set_queued(early: Future, staged: dict, cuda_pairs: list):
+    """The callback that tells the upload (``DefaultStager.early_for``) the
+    CUDA copies of ``staged`` are queued, with their gate."""
+    keys = frozenset(k for _, _, k in cuda_pairs)
+    return lambda gate: early.set_result((staged, gate, keys))
 
 
 # Every live stager, for the fork handler: a forked child resets them.

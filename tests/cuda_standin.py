@@ -39,6 +39,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.fake_device_alloc.restype = c_void_p
     lib.fake_device_alloc.argtypes = [c_int, c_size_t]
+    lib.fake_device_alloc_adjacent.argtypes = [c_int, c_int, ctypes.POINTER(c_size_t),
+                                               ctypes.POINTER(c_void_p)]
     lib.fake_device_free.argtypes = [c_void_p]
     lib.fake_launch_fill.argtypes = [c_void_p, c_void_p, c_int, c_size_t]
     lib.fake_launch_read.argtypes = [c_void_p, c_void_p, c_size_t, c_void_p]
@@ -46,6 +48,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.fake_fail.argtypes = [ctypes.c_char_p, c_long, c_int]
     lib.fake_fail_async.argtypes = [c_long, c_int]
     lib.fake_set_delay.argtypes = [ctypes.c_char_p, c_long]
+    lib.fake_hold_copies.argtypes = [c_int]
+    lib.fake_hold_after.argtypes = [c_long]
     lib.fake_calls.argtypes = [ctypes.c_char_p]
     for name in ("fake_calls", "fake_total_calls", "fake_violations", "fake_copies_queued",
                  "fake_copies_run", "fake_dlpack_live"):
@@ -107,7 +111,7 @@ class FakeCudaTensor:
 
     def __init__(self, device: Device, nbytes: int = 0, shape=None, bits: int = 8,
                  strides=None, base: "FakeCudaTensor | None" = None, offset: int = 0,
-                 honour_stream: bool = True) -> None:
+                 honour_stream: bool = True, ptr: int = 0) -> None:
         self.device, self.lib = device, device.lib
         self.shape = tuple(shape) if shape is not None else (nbytes // (bits // 8),)
         self.bits, self.strides = bits, strides
@@ -116,11 +120,24 @@ class FakeCudaTensor:
         self.dlpack_streams: list = []
         if base is None:
             self.owner = True
-            self.ptr = self.lib.fake_device_alloc(device.dev, max(self.nbytes, 1))
+            self.ptr = ptr or self.lib.fake_device_alloc(device.dev, max(self.nbytes, 1))
             assert self.ptr
+            self.alloc = self.ptr
         else:  # a view into another tensor's allocation
             self.owner = False
             self.ptr = base.ptr + offset
+            self.alloc = base.alloc  # the allocation it lies in (torch: the storage)
+
+    @classmethod
+    def adjacent(cls, device: Device, sizes) -> "list[FakeCudaTensor]":
+        """uint8 tensors, each its own allocation, placed back to back in
+        device memory (two cudaMalloc segments the driver happened to put
+        next to each other): a copy spanning two of them fails."""
+        n = len(sizes)
+        ptrs = (c_void_p * n)()
+        check(device.lib.fake_device_alloc_adjacent(device.dev, n, (c_size_t * n)(*sizes), ptrs),
+              "fake_device_alloc_adjacent")
+        return [cls(device, s, ptr=p) for s, p in zip(sizes, ptrs)]
 
     # -- test helpers --------------------------------------------------------
     def write(self, data: bytes) -> None:

@@ -121,6 +121,19 @@ def test_ls_lists_steps_in_order_committed_or_not(tmp_path, capsys):
     assert lines[1].split()[-1] == "2h", lines
 
 
+def test_ls_step_numbers_are_the_managers(tmp_path, capsys):
+    """``dcpx ls`` calls STEP what CheckpointManager resumes from: a folder
+    ``step-007`` is not step 7 to the manager (which names steps
+    ``step-7``), so ls lists it as a checkpoint without a step."""
+    root = tmp_path / "run"
+    for name in ("step-7", "step-007"):
+        dcpx.save({"w": torch.zeros(3)}, checkpoint_id=root / name)
+    assert dcpx.CheckpointManager(root).all_steps() == [7]
+    assert _cli("ls", root, "--json") == 0
+    rows = {r["name"]: r["step"] for r in json.loads(capsys.readouterr().out)}
+    assert rows == {"step-7": 7, "step-007": None}
+
+
 def test_ls_of_nothing_exits_2(tmp_path, capsys):
     assert _cli("ls", tmp_path / "missing") == 2
     assert "missing" in capsys.readouterr().err

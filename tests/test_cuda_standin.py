@@ -115,23 +115,72 @@ def test_copies_are_bit_exact_across_devices_and_dtypes(lib, bits):
 
 
 def test_adjacent_tensors_are_copied_in_one_call(lib):
-    """Tensors adjacent on the device and in the buffer (the layout the
-    stager's 64-byte alignment gives 64-byte multiples) make one copy."""
+    """Tensors of one allocation (the same alloc_key) adjacent on the
+    device and in the buffer (the layout the stager's 64-byte alignment
+    gives 64-byte multiples) make one copy; without a key, or with two
+    keys, they are not merged across."""
     whole = FakeCudaTensor(lib.devices[0], 64 * 10)
     whole.write(_rand(640, 1))
     parts = [FakeCudaTensor(lib.devices[0], 64, base=whole, offset=64 * i) for i in range(10)]
     buf = _buffer(640)
-    _C.cuda_copy_into([(p, 64 * i) for i, p in enumerate(parts)], buf)
+    _C.cuda_copy_into([(p, 64 * i, f"p{i}", whole.alloc) for i, p in enumerate(parts)], buf)
     assert buf.numpy().tobytes() == whole.read()
     assert lib.fake_calls(b"cuMemcpyDtoHAsync_v2") == 1
+    # No key (absent, None or 0): nothing known about the allocations, one
+    # copy each.
+    for pairs in ([(p, 64 * i) for i, p in enumerate(parts)],
+                  [(p, 64 * i, None, None) for i, p in enumerate(parts)],
+                  [(p, 64 * i, f"p{i}", 0) for i, p in enumerate(parts)]):
+        lib.fake_reset()
+        buf = _buffer(640)
+        _C.cuda_copy_into(pairs, buf)
+        assert buf.numpy().tobytes() == whole.read()
+        assert lib.fake_calls(b"cuMemcpyDtoHAsync_v2") == 10
+    # Two keys: one copy per key's run.
+    lib.fake_reset()
+    buf = _buffer(640)
+    _C.cuda_copy_into([(p, 64 * i, f"p{i}", 1 + i // 5) for i, p in enumerate(parts)], buf)
+    assert buf.numpy().tobytes() == whole.read()
+    assert lib.fake_calls(b"cuMemcpyDtoHAsync_v2") == 2
     # Not adjacent in the buffer: one copy each.
     lib.fake_reset()
     buf = _buffer(1280)
-    _C.cuda_copy_into([(p, 128 * i) for i, p in enumerate(parts)], buf)
+    _C.cuda_copy_into([(p, 128 * i, f"p{i}", whole.alloc) for i, p in enumerate(parts)], buf)
     raw = buf.numpy().tobytes()
     assert all(raw[128 * i:128 * i + 64] == p.read() for i, p in enumerate(parts))
     assert lib.fake_calls(b"cuMemcpyDtoHAsync_v2") == 10
     whole.free()
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_adjacent_allocations_are_never_copied_as_one(lib, wait):
+    """Two allocations back to back in the device's address space (two
+    cudaMalloc segments of torch's caching allocator placed next to each
+    other), their tensors back to back in the buffer: a copy spanning both
+    is not one the driver guarantees (the stand-in refuses it), so tensors
+    of different allocations are copied one by one, bit exact; also in
+    segments (wait=False)."""
+    ts = FakeCudaTensor.adjacent(lib.devices[0], [4096, 4096, 64])
+    assert ts[1].ptr == ts[0].ptr + 4096 and ts[2].ptr == ts[1].ptr + 4096
+    data = [_rand(t.nbytes, 700 + i) for i, t in enumerate(ts)]
+    for t, d in zip(ts, data):
+        t.write(d)
+    spanning = FakeCudaTensor(lib.devices[0], 8192, base=ts[0])
+    with pytest.raises(_C.CudaError, match="CUDA_ERROR_INVALID_VALUE"):
+        _C.cuda_copy_into([(spanning, 0)], _buffer(8192))
+    lib.fake_reset()
+    buf = _buffer(8256)
+    pairs = [(t, 4096 * i, f"w{i}", t.alloc) for i, t in enumerate(ts)]
+    if wait:
+        _C.cuda_copy_into(pairs, buf)
+    else:
+        gate, pending = _C.cuda_copy_into(pairs, buf, wait=False, segment_bytes=1 << 20)
+        _C.cuda_stage_wait(pending)
+        assert _C.gate_stats(gate)[:2] == (8256, 0)
+    assert buf.numpy().tobytes() == b"".join(data)
+    assert lib.fake_calls(b"cuMemcpyDtoHAsync_v2") == 3
+    for t in ts:
+        t.free()
 
 
 @pytest.mark.parametrize("handshake", ["dlpack_stream", "wait_streams"])
@@ -322,7 +371,8 @@ def test_a_device_the_process_cannot_see_is_named(lib):
     t.free()
 
 
-@pytest.mark.parametrize("case", ["strided", "cpu", "too_big", "no_dlpack", "bad_pair"])
+@pytest.mark.parametrize("case", ["strided", "cpu", "too_big", "no_dlpack", "bad_pair",
+                                  "negative_key", "str_key"])
 def test_bad_pairs_are_refused_before_any_copy(lib, case):
     t = FakeCudaTensor(lib.devices[0], 256)
     buf = _buffer(256)
@@ -335,6 +385,10 @@ def test_bad_pairs_are_refused_before_any_copy(lib, case):
         pair, exc, match = (t, 1, "x"), ValueError, "tensor 'x' does not fit"
     elif case == "no_dlpack":
         pair, exc, match = (object(), 0), TypeError, "no __dlpack_device__"
+    elif case == "negative_key":
+        pair, exc, match = (t, 0, "k", -1), ValueError, "tensor 'k': alloc_key must be"
+    elif case == "str_key":
+        pair, exc, match = (t, 0, None, "a"), ValueError, "tensor #0: alloc_key must be"
     else:
         pair, exc, match = (t,), TypeError, "pairs hold"
     with pytest.raises(exc, match=match):
@@ -547,6 +601,10 @@ class _TorchLike:
     def is_contiguous(self):
         return True
 
+    def untyped_storage(self):
+        from types import SimpleNamespace
+        return SimpleNamespace(data_ptr=lambda: self.t.alloc)
+
     def __dlpack_device__(self):
         return self.t.__dlpack_device__()
 
@@ -603,6 +661,39 @@ def test_the_stager_copies_after_the_current_streams_and_names_a_failing_key(sta
         t.free()
 
 
+def test_the_stager_merges_copies_within_one_storage_only(stager_cuda, lib):
+    """The stager keys each copy by its tensor's storage: views of one
+    storage (a flat parameter's views) adjacent in the buffer are one copy;
+    tensors of two allocations adjacent on the device and in the buffer
+    are one copy each (one spanning both is refused), waiting or in
+    segments."""
+    whole = FakeCudaTensor(lib.devices[0], 640)
+    whole.write(_rand(640, 11))
+    views = [FakeCudaTensor(lib.devices[0], 64, base=whole, offset=64 * i) for i in range(10)]
+    b = stager_cuda._Buffer(640, shared=False, pin=True)
+    stager_cuda.DefaultStager._copy_from_devices(
+        [(_TorchLike(v), 64 * i, f"p{i}") for i, v in enumerate(views)], b.base)
+    assert b.base.numpy().tobytes()[:640] == whole.read()
+    assert lib.fake_calls(b"cuMemcpyDtoHAsync_v2") == 1
+    b.release()
+    whole.free()
+    ts = FakeCudaTensor.adjacent(lib.devices[1], [4096, 4096, 4096])
+    assert ts[1].ptr == ts[0].ptr + 4096 and ts[2].ptr == ts[1].ptr + 4096
+    b = stager_cuda._Buffer(3 * 4096, shared=False, pin=True)
+    pairs = [(_TorchLike(t), 4096 * i, f"w{i}") for i, t in enumerate(ts)]
+    for rnd, on_queued in enumerate([None, lambda gate: None]):
+        lib.fake_reset()
+        data = [_rand(4096, 20 + 3 * rnd + i) for i in range(3)]
+        for t, d in zip(ts, data):
+            t.write(d)
+        stager_cuda.DefaultStager._copy_from_devices(pairs, b.base, None, on_queued)
+        assert b.base.numpy().tobytes()[:3 * 4096] == b"".join(data), rnd
+        assert lib.fake_calls(b"cuMemcpyDtoHAsync_v2") == 3
+    b.release()
+    for t in ts:
+        t.free()
+
+
 def test_cpu_staging_and_saving_make_no_driver_call(lib, tmp_path):
     """The CPU path is untouched: with the driver loaded, staging and
     saving host tensors call nothing in it."""
@@ -629,7 +720,7 @@ def test_the_cuda_sources_compile_with_and_without_the_toolkit(with_toolkit):
              "-I", sysconfig.get_paths()["include"]]
     if with_toolkit:
         flags += ["-DDCPX_HAVE_CUDA_H", "-I", _toolkit_include()]
-    for src in ("cuda.c", "cuda_stage.c", "cuda_load.c", "module.c"):
+    for src in ("cuda.c", "cuda_copy.c", "cuda_stage.c", "cuda_load.c", "gate.c", "module.c"):
         r = subprocess.run(["cc", *flags, str(REPO / "csrc" / src)], capture_output=True, text=True)
         assert r.returncode == 0, (src, r.stderr)
 
@@ -962,7 +1053,7 @@ def test_asynchronous_staging_orders_after_the_callers_stream_not_the_stage_thre
     pairs = [(_TorchLike(t), o, f"w{i}") for i, (t, o) in enumerate(zip(ts, offs))]
     seen = []
 
-    def stage_flat(state_dict, flat, mappings, streams=None):
+    def stage_flat(state_dict, flat, mappings, streams=None, early=None):
         seen.append(streams)
         stager_cuda.DefaultStager._copy_from_devices(pairs, b.base, streams)
         return state_dict
@@ -1024,3 +1115,397 @@ def test_loads_into_cuda_tensors_from_several_threads_at_once(reader_cuda, lib, 
     assert not errors, errors
     assert lib.fake_violations() == 0
     assert lib.fake_calls(b"cuMemHostRegister_v2") == 1
+
+
+# --------------------------------------------------------------------------
+# loads: reading the next part while the previous part's copies run
+
+def test_a_pending_load_is_waited_for_once_and_a_dropped_one_still_waits(lib):
+    """cuda_copy_from_host(..., wait=False) returns with the copies queued;
+    cuda_wait waits (a second call returns at once); a handle dropped
+    without cuda_wait still waits for its copies before the sources go."""
+    lib.fake_hold_copies(1)
+    ts = [FakeCudaTensor(lib.devices[i % 2], 3000 + i) for i in range(3)]
+    data = [_rand(t.nbytes, 200 + i) for i, t in enumerate(ts)]
+    p = _C.cuda_copy_from_host([(t, _host(d), f"k{i}") for i, (t, d) in enumerate(zip(ts, data))],
+                               consumer_streams=_consumers(lib), wait=False)
+    assert lib.fake_copies_queued() == 3 and lib.fake_copies_run() == 0
+    lib.fake_hold_copies(0)
+    _C.cuda_wait(p)
+    assert lib.fake_copies_run() == 3 and [t.read() for t in ts] == data
+    _C.cuda_wait(p)  # idempotent
+    lib.fake_set_delay(b"copy", 20_000)
+    p = _C.cuda_copy_from_host([(ts[0], _host(data[1][:3000]), "x")], wait=False)
+    del p
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 4
+    assert ts[0].read() == data[1][:3000]
+    with pytest.raises(ValueError):
+        _C.cuda_wait(object.__new__(object))
+    for t in ts:
+        t.free()
+
+
+def _saved_many(tmp_path, sizes, seed=5):
+    import dcpx
+    g = torch.Generator().manual_seed(seed)
+    sd = {f"t{i:02d}": torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
+          for i, n in enumerate(sizes)}
+    dcpx.save(sd, checkpoint_id=str(tmp_path / "ckpt"))
+    return sd, tmp_path / "ckpt"
+
+
+def _spy_reads(monkeypatch, reader, lib, on_call):
+    """Wrap reader._read_batch: on_call(n, queued, run) before the n-th read."""
+    orig = reader._read_batch
+    count = [0]
+
+    def spy(direct, staged):
+        count[0] += 1
+        on_call(count[0], lib.fake_copies_queued(), lib.fake_copies_run())
+        return orig(direct, staged)
+
+    monkeypatch.setattr(reader, "_read_batch", spy)
+
+
+def test_a_load_reads_the_next_batch_while_the_previous_batchs_copies_run(
+        reader_cuda, lib, tmp_path, monkeypatch):
+    """With every copy held back by the stand-in, the second batch is read
+    while the first batch's copy has not run: reading and copying overlap.
+    (Without the overlap the load would wait for the held copy; the timer
+    only bounds how long such a failure takes.)"""
+    sd, path = _saved_many(tmp_path, [6000] * 5)  # one per 8 KiB half
+    reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(0,))
+    seen = []
+
+    def on_call(n, queued, run):
+        seen.append((queued, run))
+        if n == 2:
+            lib.fake_hold_copies(0)
+
+    _spy_reads(monkeypatch, reader, lib, on_call)
+    lib.fake_hold_copies(1)
+    safety = threading.Timer(30, lib.fake_hold_copies, (0,))
+    safety.start()
+    try:
+        reader.read_tensors(reads)
+    finally:
+        safety.cancel()
+    assert seen[:2] == [(0, 0), (1, 0)], seen
+    assert len(seen) == 5
+    for key, v in sd.items():
+        assert targets[key].read() == _raw(v), key
+        targets[key].free()
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 5
+    assert lib.fake_violations() == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_half_is_never_read_into_before_its_copies_completed(reader_cuda, lib, tmp_path,
+                                                                 seed):
+    """Random sizes (some larger than a half, one larger than the buffer)
+    and random copy delays: a half overwritten while its copy is pending
+    would put the next batch's bytes on the device.  Bit exact every time."""
+    rng = random.Random(seed)
+    sizes = [rng.choice([rng.randint(1, 3000), rng.randint(3000, 8192),
+                         rng.randint(8193, 16384)]) for _ in range(24)] + [20000]
+    rng.shuffle(sizes)
+    sd, path = _saved_many(tmp_path, sizes, seed=seed)
+    lib.fake_set_delay(b"copy_jitter", 3_000)
+    for _ in range(2):
+        reader, reads, targets = _reads(reader_cuda, path, lib, sd)
+        reader.read_tensors(reads)
+        for key, v in sd.items():
+            assert targets[key].read() == _raw(v), key
+            targets[key].free()
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 2 * len(sizes)
+    assert lib.fake_violations() == 0
+
+
+def test_a_read_error_while_a_copy_runs_is_named_and_the_copy_drained(reader_cuda, lib,
+                                                                       tmp_path, monkeypatch):
+    from dcpx.errors import CorruptCheckpointError
+    sd, path = _saved_many(tmp_path, [6000] * 3)
+    reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(0,))
+    r = next(r for r in reads if r.key == "t01")
+    f = path / r.info.relative_path
+    raw = bytearray(f.read_bytes())
+    at = raw.find(_raw(sd["t01"]), r.info.offset)
+    raw[at + 10] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    seen = []
+
+    def on_call(n, queued, run):
+        seen.append((queued, run))
+        if n == 2:
+            lib.fake_hold_copies(0)
+
+    _spy_reads(monkeypatch, reader, lib, on_call)
+    lib.fake_hold_copies(1)
+    lib.fake_set_delay(b"copy", 20_000)
+    with pytest.raises(CorruptCheckpointError, match="'t01'"):
+        reader.read_tensors(reads)
+    assert seen == [(0, 0), (1, 0)]  # the first copy was pending at the failed read
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 1
+    assert targets["t00"].read() == _raw(sd["t00"])
+    for ft in targets.values():
+        ft.free()
+
+
+@pytest.mark.parametrize("how", ["async", "queue"])
+def test_a_copy_error_of_an_earlier_batch_is_named_and_nothing_left_running(
+        reader_cuda, lib, tmp_path, how):
+    """An asynchronous failure of the first batch's copy (reported when its
+    half is next needed) or a failure queueing the second batch's copy:
+    CudaError naming the key, no copy left running, the next load works."""
+    sd, path = _saved_many(tmp_path, [6000] * 4)
+    reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(1,))
+    lib.fake_set_delay(b"copy", 5_000)
+    if how == "async":
+        lib.fake_fail_async(1, ILLEGAL_ADDRESS)
+        match = r"cuEventSynchronize \(host-to-device copies\) on device 1 \(tensors 't00'\)"
+    else:
+        lib.fake_fail(b"cuMemcpyHtoDAsync_v2", 2, OUT_OF_MEMORY)
+        match = "cuMemcpyHtoDAsync for tensor 't01' on device 1"
+    with pytest.raises(_C.CudaError, match=match):
+        reader.read_tensors(reads)
+    assert lib.fake_copies_run() == lib.fake_copies_queued()
+    lib.fake_reset()
+    reader.read_tensors(reads)
+    for key, v in sd.items():
+        assert targets[key].read() == _raw(v), key
+        targets[key].free()
+
+
+# --------------------------------------------------------------------------
+# saves: writer threads start on each segment of the staging buffer as its
+# device-to-host copies complete (csrc/gate.c, cuda_copy_into(wait=False))
+
+def _wait_for(cond, what: str) -> None:
+    """Block until cond() (a state the code under test must reach; the
+    bound only keeps a broken build from hanging the suite)."""
+    import time
+    deadline = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < deadline, f"never reached: {what}"
+        time.sleep(0.001)
+
+
+def _gated_job(tmp_path, buf, offs, sizes, gate, keys):
+    from dcpx._dtypes import dlpack_export, dlpack_view
+    files = []
+    for k, o, n in zip(keys, offs, sizes):
+        item = (dlpack_export(dlpack_view(buf[o:o + n])), "ByteStorage", gate)
+        files.append((str(tmp_path / f"{k}.bin"), [item]))
+    return _C.WriteJob(files, sync_files=False, threads=1)
+
+
+def test_writers_start_on_each_segment_as_its_copies_complete(lib, tmp_path):
+    """Segments of 8 KiB (two 4 KiB tensors each); the stand-in lets only
+    the first segment's copies run.  The writer writes the first segment's
+    files and waits at the second while the staging is still unfinished;
+    once the copies are released, everything is written bit exact."""
+    # Back to back on the device and in the buffer, but pairs without an
+    # allocation key: one copy each.
+    ts = FakeCudaTensor.adjacent(lib.devices[0], [4096] * 6)
+    data = [_rand(4096, 300 + i) for i in range(6)]
+    for t, d in zip(ts, data):
+        t.write(d)
+    offs, keys = [4096 * i for i in range(6)], [f"k{i}" for i in range(6)]
+    buf = _buffer(6 * 4096)
+    lib.fake_hold_after(2)
+    gate, pending = _C.cuda_copy_into([(t, o, k) for t, o, k in zip(ts, offs, keys)], buf,
+                                      wait=False, segment_bytes=8192)
+    waiter = threading.Thread(target=_C.cuda_stage_wait, args=(pending,))
+    waiter.start()
+    job = _gated_job(tmp_path, buf, offs, [4096] * 6, gate, keys)
+    job.start()
+    try:
+        _wait_for(lambda: _C.gate_stats(gate)[2] == 1, "the writer waiting at segment 2")
+        assert _C.gate_stats(gate) == (2 * 4096, 0, 1)
+        assert waiter.is_alive() and lib.fake_copies_run() == 2
+        for k, d in zip(keys[:2], data[:2]):
+            assert d in (tmp_path / f"{k}.bin").read_bytes(), k
+        assert not (tmp_path / "k3.bin").exists()
+    finally:
+        lib.fake_hold_copies(0)
+        waiter.join()
+        job.wait()
+    assert _C.gate_stats(gate) == (6 * 4096, 0, 0)
+    for k, d in zip(keys, data):
+        assert d in (tmp_path / f"{k}.bin").read_bytes(), k
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 6
+    _C.cuda_stage_wait(pending)  # idempotent
+    for t in ts:
+        t.free()
+
+
+def test_a_failed_segment_fails_its_writers_and_names_its_keys(lib, tmp_path):
+    ts = FakeCudaTensor.adjacent(lib.devices[0], [4096] * 6)  # no keys: one copy each
+    offs, keys = [4096 * i for i in range(6)], [f"k{i}" for i in range(6)]
+    buf = _buffer(6 * 4096)
+    # Segment 2's first copy fails, once segment 1 is published (an
+    # asynchronous error is sticky: a wait after it fails, whichever
+    # copies it covers).
+    lib.fake_hold_after(2)
+    lib.fake_fail_async(3, ILLEGAL_ADDRESS)
+    gate, pending = _C.cuda_copy_into([(t, o, k) for t, o, k in zip(ts, offs, keys)], buf,
+                                      wait=False, segment_bytes=8192)
+    errors = []
+
+    def wait():
+        try:
+            _C.cuda_stage_wait(pending)
+        except _C.CudaError as e:
+            errors.append(e)
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    job = _gated_job(tmp_path, buf, offs, [4096] * 6, gate, keys)
+    job.start()
+    _wait_for(lambda: _C.gate_stats(gate)[0] == 2 * 4096, "segment 1 published")
+    lib.fake_hold_copies(0)
+    waiter.join()
+    assert len(errors) == 1 and errors[0].code == ILLEGAL_ADDRESS
+    assert "on device 0 (tensors 'k2', 'k3') failed: CUDA_ERROR_ILLEGAL_ADDRESS" in str(errors[0])
+    with pytest.raises(OSError, match="wait for the staging copies"):
+        job.wait()
+    assert _C.gate_stats(gate) == (2 * 4096, 1, 0)
+    assert lib.fake_copies_run() == lib.fake_copies_queued()
+    # A dropped pending handle still waits for its copies.
+    lib.fake_reset()
+    lib.fake_set_delay(b"copy", 2_000)
+    gate, pending = _C.cuda_copy_into([(t, o, k) for t, o, k in zip(ts, offs, keys)], buf,
+                                      wait=False, segment_bytes=8192)
+    del pending
+    assert lib.fake_copies_run() == lib.fake_copies_queued() == 6
+    assert _C.gate_stats(gate)[:2] == (6 * 4096, 0)
+    for t in ts:
+        t.free()
+
+
+def _overlap_stager(stager_cuda, stager, ts, gates):
+    """The stager's _stage_flat for host-shaped state dicts whose bytes are
+    the stand-in tensors `ts` (torch here has no CUDA): the real layout and
+    the real CUDA staging path, with the gate it hands the upload kept."""
+    def stage_flat(state_dict, flat, mappings, streams=None, early=None):
+        with stager._lock:
+            if stager._layout is None:
+                stager._layout = stager_cuda._Layout(state_dict, flat, mappings, False, True)
+            layout = stager._layout
+            pairs = [(_TorchLike(ts[int(k[1:])]), layout.offsets[k], k) for k in flat]
+            # this stage's staged dict (a new one each stage: staging._fresh)
+            staged = stager._returned = stager_cuda._fresh(layout.tree, layout.flat)
+            tell = stager_cuda._set_queued(early, staged, pairs)
+
+            def on_queued(gate):
+                gates.append(gate)
+                tell(gate)
+            stager_cuda.DefaultStager._copy_from_devices(pairs, layout.buffer.base, streams,
+                                                         on_queued)
+            return staged
+    return stage_flat
+
+
+def test_async_save_writes_while_the_later_segments_still_copy(stager_cuda, lib, tmp_path,
+                                                                monkeypatch):
+    """async_save with asynchronous staging of CUDA tensors: the upload's
+    writers start on the first segment while the second is held back, so
+    neither staging_completion nor the upload is done; released, the
+    checkpoint loads bit exact.  Twice, reusing the stager's buffer."""
+    import dcpx
+    monkeypatch.setattr(stager_cuda, "_SEGMENT", 8192)  # two tensors a segment
+    # Back to back on the device and in the buffer, each its own
+    # allocation (key): one copy each.
+    ts = FakeCudaTensor.adjacent(lib.devices[0], [4096] * 6)
+    sd = {f"w{i}": torch.zeros(4096, dtype=torch.uint8) for i in range(6)}
+    gates: list = []
+    with dcpx.DefaultStager(dcpx.StagingOptions(True, False, True, True)) as stager:
+        stager._cuda = True
+        monkeypatch.setattr(stager, "_stage_flat", _overlap_stager(stager_cuda, stager, ts, gates))
+        for rnd in range(2):
+            data = [_rand(4096, 400 + 10 * rnd + i) for i in range(6)]
+            for t, d in zip(ts, data):
+                t.write(d)
+            path = tmp_path / f"ckpt{rnd}"
+            lib.fake_hold_after(2)
+            resp = dcpx.async_save(sd, checkpoint_id=str(path), async_stager=stager)
+            try:
+                _wait_for(lambda: len(gates) > rnd and _C.gate_stats(gates[rnd])[2] >= 1,
+                          "a writer waiting at segment 2")
+                assert _C.gate_stats(gates[rnd])[:2] == (2 * 4096, 0)
+                assert not resp.staging_completion.done()
+                assert not resp.upload_completion.done()
+            finally:
+                lib.fake_hold_copies(0)
+            resp.upload_completion.result(timeout=60)
+            assert resp.staging_completion.done()
+            out = {k: torch.zeros_like(v) for k, v in sd.items()}
+            dcpx.load(out, checkpoint_id=str(path))
+            for i in range(6):
+                assert out[f"w{i}"].numpy().tobytes() == data[i], i
+    assert lib.fake_violations() == 0
+    for t in ts:
+        t.free()
+
+
+def test_async_save_with_a_failed_copy_commits_nothing_and_names_the_key(stager_cuda, lib,
+                                                                         tmp_path, monkeypatch):
+    import dcpx
+    monkeypatch.setattr(stager_cuda, "_SEGMENT", 8192)  # two tensors a segment
+    # Back to back on the device and in the buffer, each its own
+    # allocation (key): one copy each.
+    ts = FakeCudaTensor.adjacent(lib.devices[0], [4096] * 6)
+    data = [_rand(4096, 500 + i) for i in range(6)]
+    for t, d in zip(ts, data):
+        t.write(d)
+    sd = {f"w{i}": torch.zeros(4096, dtype=torch.uint8) for i in range(6)}
+    gates: list = []
+    with dcpx.DefaultStager(dcpx.StagingOptions(True, False, True, True)) as stager:
+        stager._cuda = True
+        monkeypatch.setattr(stager, "_stage_flat", _overlap_stager(stager_cuda, stager, ts, gates))
+        lib.fake_hold_after(2)
+        lib.fake_fail_async(3, ILLEGAL_ADDRESS)  # once segment 1 is published
+        resp = dcpx.async_save(sd, checkpoint_id=str(tmp_path / "bad"), async_stager=stager)
+        _wait_for(lambda: gates and _C.gate_stats(gates[0])[0] == 2 * 4096, "segment 1 published")
+        lib.fake_hold_copies(0)
+        with pytest.raises(Exception, match=r"\(tensors 'w2', 'w3'\) failed: "
+                                            r"CUDA_ERROR_ILLEGAL_ADDRESS"):
+            resp.upload_completion.result(timeout=60)
+        assert isinstance(resp.staging_completion.exception(), _C.CudaError)
+        assert not (tmp_path / "bad" / ".metadata").exists()
+        assert not list((tmp_path / "bad").glob("*.distcp"))
+        assert lib.fake_copies_run() == lib.fake_copies_queued()
+        lib.fake_reset()
+        resp = dcpx.async_save(sd, checkpoint_id=str(tmp_path / "good"), async_stager=stager)
+        resp.upload_completion.result(timeout=60)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcpx.load(out, checkpoint_id=str(tmp_path / "good"))
+    assert all(out[f"w{i}"].numpy().tobytes() == data[i] for i in range(6))
+    for t in ts:
+        t.free()
+
+
+def test_async_save_of_tensors_in_adjacent_allocations_is_bit_exact(stager_cuda, lib, tmp_path,
+                                                                    monkeypatch):
+    """async_save of tensors in allocations placed back to back on the
+    device, which the stager's layout puts back to back in its buffer:
+    the save succeeds (no copy spans two allocations) and loads bit exact."""
+    import dcpx
+    ts = FakeCudaTensor.adjacent(lib.devices[0], [4096] * 4)
+    data = [_rand(4096, 600 + i) for i in range(4)]
+    for t, d in zip(ts, data):
+        t.write(d)
+    sd = {f"w{i}": torch.zeros(4096, dtype=torch.uint8) for i in range(4)}
+    gates: list = []
+    with dcpx.DefaultStager(dcpx.StagingOptions(True, False, True, True)) as stager:
+        stager._cuda = True
+        monkeypatch.setattr(stager, "_stage_flat", _overlap_stager(stager_cuda, stager, ts, gates))
+        resp = dcpx.async_save(sd, checkpoint_id=str(tmp_path / "ckpt"), async_stager=stager)
+        resp.upload_completion.result(timeout=60)
+        assert sorted(stager._layout.offsets.values()) == [0, 4096, 8192, 12288]
+    assert lib.fake_calls(b"cuMemcpyDtoHAsync_v2") == 4
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcpx.load(out, checkpoint_id=str(tmp_path / "ckpt"))
+    for i in range(4):
+        assert out[f"w{i}"].numpy().tobytes() == data[i], i
+    for t in ts:
+        t.free()

@@ -436,6 +436,54 @@ def test_async_staging_fails_on_one_rank(tmp_path):
         f"which had failed at staging; rank 0 got {r0['error']}")
 
 
+def _staging_fails_on_rank_1_foreign(rank, world_size, path, kind):
+    """As _staging_fails_on_rank_1, with a storage writer of the user's (torch's
+    FileSystemWriter subclassed): the other rank runs torch's save, whose
+    collectives must learn of rank 1's failure."""
+    from test_process_foreign import MarkingWriter
+
+    ckpt = (dcpx.AsyncCheckpointerType.PROCESS if kind == "process"
+            else dcpx.AsyncCheckpointerType.THREAD)
+    dcpx.save(state(1), checkpoint_id=path)
+    dist.barrier()
+    before = snapshot(path)
+    flag = path + ".rank0_done"
+    t0 = time.monotonic()
+    with dcpx.DefaultStager() as stager, file_size_limit(rank == 1):
+        ret = dcpx.async_save(state(2), storage_writer=MarkingWriter(path), async_stager=stager,
+                              async_checkpointer_type=ckpt)
+        err = _try(lambda: ret.upload_completion.result(timeout=60))
+    elapsed = time.monotonic() - t0
+    if rank == 0:
+        _raise_flag(flag)
+    else:
+        _wait_for_flag(flag)
+    return {"error": repr(err)[:400], "elapsed": elapsed, "failed": err is not None,
+            "efbig": err is not None and errno_in_chain(err, errno.EFBIG),
+            "metadata_unchanged": snapshot(path)[0] == before[0]}
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_async_staging_fails_on_one_rank_with_a_foreign_writer(tmp_path, kind):
+    """Rank 1's staging fails while the save goes through torch's planner
+    (a user's StorageWriter): rank 0 is told through torch's own
+    collectives and fails at once instead of waiting out the group timeout."""
+    path = str(tmp_path / "A")
+    outs = spawn_outcomes(_staging_fails_on_rank_1_foreign, 2, path, kind,
+                          pg_timeout=SHORT_PG_TIMEOUT, timeout=PEER_WAIT + 90)
+    for o in outs:
+        assert o.ok, o.describe()
+    r0, r1 = (o.value for o in outs)
+    assert r1["efbig"], f"test setup: rank 1's upload did not fail with EFBIG: {r1}"
+    assert r0["failed"], f"rank 0's upload succeeded although rank 1 could not stage: {r0}"
+    assert "rank 1" in r0["error"] or "EFBIG" in r0["error"] or "File too large" in r0["error"], r0
+    assert r0["metadata_unchanged"] and r1["metadata_unchanged"], (r0, r1)
+    assert r0["elapsed"] < SHORT_PG_TIMEOUT * 0.75, (
+        f"rank 0's upload failed only after {r0['elapsed']:.1f} s (group timeout "
+        f"{SHORT_PG_TIMEOUT} s): it waited for rank 1, which had failed at staging; "
+        f"rank 0 got {r0['error']}")
+
+
 def _peer_skips_async_save(rank, world_size, path, api):
     """Both ranks async-save once; then only rank 0 does (rank 1 is "stuck":
     alive, not saving).  Returns how long rank 0 waited for its error."""

@@ -382,3 +382,26 @@ def test_except_checkpoint_exception_catches_dcpx_failures_on_every_rank(tmp_pat
     for rank, res in enumerate(results):
         for key, (caught, name, msg) in res.items():
             assert caught, f"rank {rank}, {key}: {name}: {msg}"
+
+
+def test_fsspec_storage_is_dcpxs_even_where_torch_exports_its_own():
+    """Older torch releases export FsspecWriter / FsspecReader at the top of
+    torch.distributed.checkpoint: ``dcpx.FsspecWriter`` must still be dcpx's
+    (CRCs, .metadata written last), never torch's taken by name."""
+    import subprocess
+    import sys
+    code = (
+        "import torch.distributed.checkpoint as t\n"
+        "class W: pass\n"
+        "class R: pass\n"
+        "t.FsspecWriter, t.FsspecReader = W, R\n"
+        "import dcpx, dcpx.fsspec\n"
+        "assert dcpx.FsspecWriter is dcpx.fsspec.FsspecWriter, dcpx.FsspecWriter\n"
+        "assert dcpx.FsspecReader is dcpx.fsspec.FsspecReader, dcpx.FsspecReader\n"
+        "assert {'FsspecWriter', 'FsspecReader'} <= set(dcpx.__all__)\n"
+        "import sys; print('fsspec' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    # importing dcpx does not import fsspec itself (it is optional)
+    assert out.stdout.strip() == "False", out.stdout

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 from ..filesystem import LOCAL_PROTOCOLS, METADATA_FN, local_path, url_protocol
+from ..manager import STEP_RE
 from ._common import CliError, NoCheckpoint, human
 
 HELP = ("list the checkpoints under a directory or URL (s3://, memory://...): step, size, "
         "committed or not, age")
 
-_STEP = re.compile(r"^step-(\d+)$")
+# what CheckpointManager calls step N (its folders are step-N, no leading zeros)
+_STEP = STEP_RE
 
 
 def _age(seconds: float) -> str:

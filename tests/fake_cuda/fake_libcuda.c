@@ -4,7 +4,8 @@
  * over host memory, with the semantics dcpx relies on:
  *
  *  - "device memory" is host memory handed out by fake_device_alloc, tagged
- *    with its device; a copy from anywhere else fails like a bad pointer;
+ *    with its device; a copy from anywhere else, or spanning two
+ *    allocations, fails like a bad pointer;
  *  - a stream is a worker thread running its queue in order: copies,
  *    event records, waits on events, and "kernels" (fake_launch_fill)
  *    that write device memory after a delay;
@@ -26,7 +27,13 @@
  * Injection: fake_fail(name, nth, code) makes the nth next call of an entry
  * point return code; fake_fail_async(nth, code) makes the nth next copy
  * fail when it runs (a sticky error, reported by the synchronising calls);
- * fake_set_delay("copy"|"fill", us) slows copies or kernels.
+ * fake_set_delay("copy"|"fill", us) slows copies or kernels, and
+ * fake_set_delay("copy_jitter", us) each copy by a random 0..us more;
+ * fake_hold_copies(1) keeps every copy from starting until
+ * fake_hold_copies(0), so a test can act while a copy is known pending;
+ * fake_hold_after(n) lets n more copies start first.
+ * fake_device_alloc_adjacent carves allocations back to back out of one
+ * block, so a test can place two allocations next to each other.
  * Environment: FAKE_CUDA_DEVICES (2), FAKE_CUDA_DRIVER_VERSION (12080). */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -94,6 +101,7 @@ typedef struct CUstream_st {
 typedef struct {
     char *p;
     size_t n;
+    void *block; /* what to free once no allocation uses it */
     int dev;
     int pending_fills;
     /* Launched and finished host-to-device copies into it, and kernels
@@ -111,6 +119,10 @@ static __thread ctx_t *t_cur;
 static int g_init_pid;
 static int g_async_err;
 static long g_copy_delay_us, g_fill_delay_us;
+static long g_copy_jitter_us; /* each copy: up to this much more, at random */
+static unsigned g_jitter_seed = 1;
+static int g_hold; /* copies wait while set (fake_hold_copies) */
+static long g_pass; /* ... except this many more (fake_hold_after) */
 static long g_violations, g_copies_run, g_copies_queued;
 static alloc_t g_alloc[256];
 static int g_nalloc;
@@ -192,6 +204,7 @@ static int find_alloc(const void *p, size_t n) /* mu held */
 static void *stream_main(void *arg)
 {
     stream_t *s = arg;
+    long delay;
     pthread_mutex_lock(&mu);
     for (;;) {
         while (s->head == NULL && !s->stop)
@@ -199,14 +212,27 @@ static void *stream_main(void *arg)
         if (s->head == NULL)
             break;
         op_t *o = s->head;
+        if ((o->kind == OP_COPY || o->kind == OP_HTOD) && g_hold) {
+            if (g_pass > 0) {
+                g_pass--;
+            }
+            else {
+                pthread_cond_wait(&cv, &mu);
+                continue;
+            }
+        }
         s->busy = 1;
         switch (o->kind) {
         case OP_COPY: {
             int a = find_alloc(o->src, o->n);
             if (a >= 0 && g_alloc[a].pending_fills > 0)
                 g_violations++;
+            delay = g_copy_delay_us +
+                    (g_copy_jitter_us > 0
+                         ? (long)(rand_r(&g_jitter_seed) % g_copy_jitter_us)
+                         : 0);
             pthread_mutex_unlock(&mu);
-            sleep_us(g_copy_delay_us);
+            sleep_us(delay);
             if (!o->fail)
                 memcpy(o->dst, o->src, o->n);
             pthread_mutex_lock(&mu);
@@ -221,8 +247,12 @@ static void *stream_main(void *arg)
              * ordered after that kernel. */
             if (g_alloc[o->region].use_done < o->before)
                 g_violations++;
+            delay = g_copy_delay_us +
+                    (g_copy_jitter_us > 0
+                         ? (long)(rand_r(&g_jitter_seed) % g_copy_jitter_us)
+                         : 0);
             pthread_mutex_unlock(&mu);
-            sleep_us(g_copy_delay_us);
+            sleep_us(delay);
             if (!o->fail)
                 memcpy(o->dst, o->src, o->n);
             pthread_mutex_lock(&mu);
@@ -698,7 +728,9 @@ void fake_reset(void)
     }
     g_async_err = 0;
     g_async_fail_at = 0;
-    g_copy_delay_us = g_fill_delay_us = 0;
+    g_copy_delay_us = g_fill_delay_us = g_copy_jitter_us = 0;
+    g_hold = 0;
+    pthread_cond_broadcast(&cv);
     g_violations = g_copies_run = g_copies_queued = 0;
     pthread_mutex_unlock(&mu);
 }
@@ -727,8 +759,28 @@ void fake_set_delay(const char *what, long us)
     pthread_mutex_lock(&mu);
     if (strcmp(what, "copy") == 0)
         g_copy_delay_us = us;
+    else if (strcmp(what, "copy_jitter") == 0)
+        g_copy_jitter_us = us;
     else
         g_fill_delay_us = us;
+    pthread_mutex_unlock(&mu);
+}
+
+void fake_hold_after(long n)
+{
+    pthread_mutex_lock(&mu);
+    g_hold = 1;
+    g_pass = n;
+    pthread_cond_broadcast(&cv);
+    pthread_mutex_unlock(&mu);
+}
+
+void fake_hold_copies(int on)
+{
+    pthread_mutex_lock(&mu);
+    g_hold = on;
+    g_pass = 0;
+    pthread_cond_broadcast(&cv);
     pthread_mutex_unlock(&mu);
 }
 
@@ -772,27 +824,43 @@ int fake_registered(void)
 
 int fake_retained(int dev) { return g_ctx[dev].retained; }
 
+/* `count` allocations of device `dev`, of sizes[i] bytes each, carved back
+ * to back out of one block: out[i + 1] == out[i] + sizes[i] (like two
+ * cudaMalloc segments the driver happened to place next to each other).
+ * Each is an allocation of its own: a copy spanning two fails.  0, or -1. */
+int fake_device_alloc_adjacent(int dev, int count, const size_t *sizes,
+                               void **out)
+{
+    size_t total = 0;
+    char *p = NULL;
+    for (int i = 0; i < count; i++)
+        total += sizes[i];
+    if (count < 1 || posix_memalign((void **)&p, 256, total ? total : 1))
+        return -1;
+    memset(p, 0, total);
+    pthread_mutex_lock(&mu);
+    if (g_nalloc + count > 256) {
+        pthread_mutex_unlock(&mu);
+        free(p);
+        return -1;
+    }
+    for (int i = 0; i < count; i++) {
+        alloc_t *a = &g_alloc[g_nalloc++];
+        memset(a, 0, sizeof(*a));
+        a->p = out[i] = p;
+        a->n = sizes[i];
+        a->block = out[0];
+        a->dev = dev;
+        p += sizes[i];
+    }
+    pthread_mutex_unlock(&mu);
+    return 0;
+}
+
 void *fake_device_alloc(int dev, size_t n)
 {
     void *p = NULL;
-    if (posix_memalign(&p, 256, n ? n : 1) != 0)
-        return NULL;
-    memset(p, 0, n);
-    pthread_mutex_lock(&mu);
-    if (g_nalloc == 256) {
-        pthread_mutex_unlock(&mu);
-        free(p);
-        return NULL;
-    }
-    g_alloc[g_nalloc].p = p;
-    g_alloc[g_nalloc].n = n;
-    g_alloc[g_nalloc].dev = dev;
-    g_alloc[g_nalloc].pending_fills = 0;
-    g_alloc[g_nalloc].htod_launched = g_alloc[g_nalloc].htod_done = 0;
-    g_alloc[g_nalloc].use_launched = g_alloc[g_nalloc].use_done = 0;
-    g_nalloc++;
-    pthread_mutex_unlock(&mu);
-    return p;
+    return fake_device_alloc_adjacent(dev, 1, &n, &p) == 0 ? p : NULL;
 }
 
 void fake_device_free(void *p)
@@ -800,8 +868,13 @@ void fake_device_free(void *p)
     pthread_mutex_lock(&mu);
     for (int i = 0; i < g_nalloc; i++) {
         if (g_alloc[i].p == p) {
+            void *block = g_alloc[i].block;
+            int shared = 0;
             g_alloc[i] = g_alloc[--g_nalloc];
-            free(p);
+            for (int j = 0; j < g_nalloc; j++)
+                shared |= g_alloc[j].block == block;
+            if (!shared)
+                free(block);
             break;
         }
     }
