@@ -218,6 +218,7 @@ PyObject *dcpx_read_plan_run(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_probe_tensor(PyObject *module, PyObject *obj);
 PyObject *dcpx_copy_into(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_prefault(PyObject *module, PyObject *args, PyObject *kwds);
+PyObject *dcpx_stage_plain(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_check_pickle(PyObject *module, PyObject *args);
 PyObject *dcpx_dump_metadata(PyObject *module, PyObject *args);
 

@@ -235,6 +235,14 @@ PyDoc_STRVAR(prefault_doc,
              "Fault in every page of a contiguous CPU tensor's memory (a new "
              "staging buffer) without the GIL.");
 
+PyDoc_STRVAR(stage_plain_doc,
+             "stage_plain($module, values, entries, base, threads=1)\n--\n\n"
+             "The stager's copy for a state dict of the layout it staged last: "
+             "check each entry (index, type, dtype, shape, requires_grad, offset, "
+             "nbytes, is_complex) against values[index], a plain contiguous CPU tensor, and "
+             "copy them all into base on C threads without the GIL.  False, "
+             "nothing copied, when one differs.");
+
 PyDoc_STRVAR(check_pickle_doc,
              "check_pickle($module, data, /)\n--\n\n"
              "Raise ValueError unless data is a pickle whose opcodes are safe "
@@ -340,6 +348,8 @@ static PyMethodDef dcpx_methods[] = {
     {"dump_metadata", dcpx_dump_metadata, METH_VARARGS, dump_metadata_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},
+    {"stage_plain", (PyCFunction)(void (*)(void))dcpx_stage_plain,
+     METH_VARARGS | METH_KEYWORDS, stage_plain_doc},
     {"copy_into", (PyCFunction)(void (*)(void))dcpx_copy_into,
      METH_VARARGS | METH_KEYWORDS, copy_doc},
     {"crc32", dcpx_crc32_py, METH_VARARGS, crc32_doc},

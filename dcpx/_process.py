@@ -88,9 +88,8 @@ class _Worker:
             # Buffers are identified by a serial number, never by id(): a new
             # buffer may reuse a freed one's address.
             serial = self._send_buffer(layout.buffer)
-            tensors = [(k, layout.offsets[k], str(v.dtype).removeprefix("torch."),
-                        tuple(v.shape), v.requires_grad) for k, v in layout.dst.items()]
-            values = {k: v for k, v in layout.flat.items() if k not in layout.dst}
+            tensors = layout.description()
+            values = layout.other_values()
             self.conn.send(("staged", config, serial, tensors, values, layout.mappings,
                             sorted(self.sent_buffers)))
         status, result = self.conn.recv()
@@ -195,9 +194,8 @@ class _Worker:
                                       for t in layout.flat.values()
                                       if isinstance(t, torch.Tensor)):
             serial = self._send_buffer(layout.buffer)
-            tensors = [(k, layout.offsets[k], str(v.dtype).removeprefix("torch."),
-                        tuple(v.shape), v.requires_grad) for k, v in layout.dst.items()]
-            values = {k: v for k, v in layout.flat.items() if k not in layout.dst}
+            tensors = layout.description()
+            values = layout.other_values()
             payload: Any = ("shared", serial, tensors, values, layout.mappings,
                             sorted(self.sent_buffers))
         else:

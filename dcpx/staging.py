@@ -77,8 +77,11 @@ class StagingOptions:
     use_non_blocking_copy: bool = True
 
 
+_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
 def _copy_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    return _THREADS  # os.cpu_count() costs milliseconds on a loaded machine
 
 
 class _Buffer:
@@ -159,11 +162,57 @@ class _Layout:
         self.staged = {k: _wrap_like(flat[k], d) for k, d in self.dst.items()}
         self.flat = dict(self.staged)  # + each stage's copies of non-tensor values
         self.mappings = mappings
+        self.keys = list(flat)
+        self.root_type = type(state_dict)
         # The staged state dict mirrors the caller's containers (keys keep
-        # their types: optimizer states are keyed by int); `slots` says where
-        # each non-tensor value goes on every stage.
-        self.slots: dict = {}
-        self.state_dict = _mirror(state_dict, (), self)
+        # their types: optimizer states are keyed by int).  `tree` is its
+        # template: every stage returns a fresh copy of its containers
+        # (_fresh), with that stage's non-tensor values in their slots.
+        self.tree = _mirror(state_dict, (), self)
+        self.plan(flat)
+        self._description: Optional[list] = None
+        self.same_as: "weakref.WeakSet[_Layout]" = weakref.WeakSet()
+
+    def plan(self, flat: dict) -> None:
+        """How the next stages of this layout copy (``DefaultStager._reuse``):
+        ``plain``, the entries ``_C.stage_plain`` checks and copies (plain
+        contiguous CPU tensors, as they are now); ``others``, the other
+        tensors (DTensors, strided views, device tensors) with their part of
+        the signature; ``values``, the positions of non-tensor values."""
+        plain, others, values = [], [], []
+        offsets = self.offsets
+        for i, (k, v) in enumerate(flat.items()):
+            if k not in offsets:
+                values.append((i, k))
+            elif (type(v) in _PLAIN and v.is_cpu and v.is_contiguous()
+                  and not v.is_neg() and not v.is_conj()):
+                plain.append((i, type(v), v.dtype, v.shape, v.requires_grad, offsets[k],
+                              v.numel() * v.element_size(), v.is_complex()))
+            else:
+                others.append((i, k, _entry_signature(k, v)))
+        self.plain, self.others, self.values = tuple(plain), others, values
+
+    def description(self) -> list:
+        """``[(key, offset, dtype name, shape, requires_grad)]`` of the staged
+        tensors, what the checkpoint process needs to find them in the shared
+        buffer (dcpx/_process.py); built once per layout."""
+        if self._description is None:
+            self._description = [(k, self.offsets[k], str(v.dtype).removeprefix("torch."),
+                                  tuple(v.shape), v.requires_grad) for k, v in self.dst.items()]
+        return self._description
+
+    def other_values(self) -> dict:
+        """This stage's non-tensor values, by key."""
+        return {k: self.flat[k] for _, k in self.values}
+
+    def same_layout(self, other: "_Layout") -> bool:
+        """Same signature (remembered: the pool compares on every call)."""
+        if other is self or other in self.same_as:
+            return True
+        if self.signature != other.signature:
+            return False
+        self.same_as.add(other)
+        return True
 
 
 def _is_terminal(value: Any) -> bool:
@@ -182,9 +231,13 @@ def _is_terminal(value: Any) -> bool:
     return True
 
 
-def _mirror(value: Any, path: tuple, layout: "_Layout") -> Any:
-    """Copy the container structure of a Mapping or non-leaf list, putting
-    staged tensors at the leaves and recording the other leaves' slots."""
+def _mirror(value: Any, path: tuple, layout: "_Layout") -> tuple:
+    """The template of a Mapping or non-leaf list: ``(container, nested,
+    slots)``, the container holding the staged tensors at its tensor leaves,
+    ``nested`` the ``(key, template)`` of its inner containers and ``slots``
+    the ``(key, fqn)`` of its other leaves."""
+    nested: list = []
+    slots: list = []
     if isinstance(value, Mapping):
         out: Any = OrderedDict() if isinstance(value, OrderedDict) else {}
         items = [(k, v, path + (str(k),)) for k, v in value.items()]
@@ -193,13 +246,27 @@ def _mirror(value: Any, path: tuple, layout: "_Layout") -> Any:
         items = [(i, v, path + (i,)) for i, v in enumerate(value)]
     for key, v, p in items:
         if not _is_terminal(v):
-            out[key] = _mirror(v, p, layout)
+            out[key] = None  # keeps the key's place; filled by _fresh
+            nested.append((key, _mirror(v, p, layout)))
             continue
         fqn = ".".join(map(str, p))
         dst = layout.staged.get(fqn)
         if dst is None:
-            layout.slots[fqn] = (out, key)  # filled by every stage()
+            slots.append((key, fqn))  # filled by every stage()
         out[key] = dst
+    return out, nested, slots
+
+
+def _fresh(tree: tuple, flat: dict) -> Any:
+    """A new staged state dict from a layout's template: new containers (a
+    caller may change the one it got; the next stage is not affected), the
+    same staged tensors, this stage's non-tensor values from ``flat``."""
+    container, nested, slots = tree
+    out = container.copy()
+    for key, sub in nested:
+        out[key] = _fresh(sub, flat)
+    for key, fqn in slots:
+        out[key] = flat[fqn]
     return out
 
 
@@ -223,13 +290,26 @@ def _wrap_like(v: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return out.requires_grad_(v.requires_grad)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _entry_signature(k: str, v: Any) -> Any:
+    """What the staging layout depends on for one entry: where and how
+    many bytes, and what the staged stand-in is (dtype, shape,
+    requires_grad; a DTensor's shard and placements)."""
+    if type(v) is torch.Tensor:
+        return (k, v.dtype, v.shape, v.requires_grad, None)
+    if not isinstance(v, torch.Tensor):
+        return k
+    return (k, v.dtype, v.shape, v.requires_grad,
+            (tuple(v._local_tensor.shape), tuple(v.placements), v.device_mesh)
+            if _is_dtensor(v) else None)
+
+
 def _signature(flat: dict) -> tuple:
-    # Plain tensors first: this runs on every stage, for every tensor.
-    return tuple((k, v.dtype, v.shape, v.requires_grad, None) if type(v) is torch.Tensor
-                 else (k, v.dtype, v.shape, v.requires_grad,
-                       (tuple(v._local_tensor.shape), tuple(v.placements), v.device_mesh)
-                       if _is_dtensor(v) else None)
-                 if isinstance(v, torch.Tensor) else k for k, v in flat.items())
+    """The layout's identity: a state dict of another signature gets a new
+    buffer.  Computed when the fast check of ``DefaultStager._reuse`` fails."""
+    return tuple(_entry_signature(k, v) for k, v in flat.items())
 
 
 class DefaultStager:
@@ -248,6 +328,7 @@ class DefaultStager:
         self._executor = (ThreadPoolExecutor(1, thread_name_prefix="dcpx-stage")
                           if config.use_async_staging else None)
         self._layout: Optional[_Layout] = None
+        self._returned: Optional[dict] = None  # what the last stage() returned
         self._staging_future: Optional[Future] = None
         self._lease: Optional[Future] = None  # the upload reading our buffer
         # (staging future, Future of (staged, gate, gated keys) or None): set
@@ -259,6 +340,7 @@ class DefaultStager:
         _stagers.add(self)
         self.stage_count = 0
         self.alloc_count = 0
+        self.reuse_count = 0  # stages that reused the last one's plan (_reuse)
 
     # -- torch's AsyncStager protocol ---------------------------------------
     def stage(self, state_dict: dict, **kwargs: Any):
@@ -294,6 +376,7 @@ class DefaultStager:
             if self._layout is not None:
                 self._layout.buffer.release()
                 self._layout = None
+            self._returned = None
 
     def _after_fork_in_child(self) -> None:
         """In a forked child the dcpx-stage thread, the upload our buffer is
@@ -307,6 +390,7 @@ class DefaultStager:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="dcpx-stage")
         self._staging_future = None
         self._lease = None
+        self._returned = None
         self._early = None
         layout, self._layout = self._layout, None
         if layout is not None:
@@ -346,7 +430,7 @@ class DefaultStager:
         """The layout behind a staged state dict if its buffer is a memfd
         another process can map."""
         layout = self._layout
-        if layout is not None and layout.state_dict is staged and layout.buffer.fd >= 0:
+        if layout is not None and self._returned is staged and layout.buffer.fd >= 0:
             return layout
         return None
 
@@ -364,7 +448,7 @@ class DefaultStager:
         """(flat, mappings) of a state dict this stager returned, so the
         upload need not flatten it again."""
         layout = self._layout
-        if layout is not None and layout.state_dict is staged:
+        if layout is not None and self._returned is staged:
             return layout.flat, layout.mappings
         return None
 
@@ -392,45 +476,108 @@ class DefaultStager:
 
     def _stage_flat(self, state_dict: dict, flat: dict, mappings: dict,
                     streams: Optional[dict] = None, early: Optional[Future] = None) -> dict:
+        with self._lock:
+            layout = self._layout
+            if layout is not None and self._reuse(layout, state_dict, flat, mappings, streams,
+                                                  early):
+                self.reuse_count += 1
+            else:
+                self._stage_new(state_dict, flat, mappings, streams, early)
+            self.stage_count += 1
+            return self._returned
+
+    def _reuse(self, layout: _Layout, state_dict: dict, flat: dict, mappings: dict,
+               streams: Optional[dict], early: Optional[Future] = None) -> bool:
+        """Stage into ``layout`` as planned when ``flat`` has its layout:
+        the same keys in the same order, the same mappings, and at every key
+        a value of the same kind (checked per tensor in C for the plain
+        ones: type, dtype, shape, requires_grad, contiguous on the CPU).
+        Only the data pointers are read anew.  False, nothing copied, when
+        anything differs: ``_stage_new`` then stages the general way."""
+        if (type(state_dict) is not layout.root_type or len(flat) != len(layout.keys)
+                or list(flat) != layout.keys or mappings != layout.mappings):
+            return False
+        values = list(flat.values())
+        for i, k, sig in layout.others:
+            v = values[i]
+            if not isinstance(v, torch.Tensor) or _entry_signature(k, v) != sig:
+                return False
+        for i, _ in layout.values:
+            if isinstance(values[i], torch.Tensor):
+                return False
+        for i, k, _ in layout.others:  # the errors dcpx.save gives, naming the key
+            check_saveable(_local(values[i]), k)
+        for i, k in layout.values:  # (redone by _stage_new if the check below fails)
+            layout.flat[k] = copy.deepcopy(values[i])
+        if not _C.stage_plain(values, layout.plain, layout.buffer.base,
+                              threads=_copy_threads()):
+            return False
+        # This stage's dict, before the CUDA copies (the upload may start on it).
+        self._returned = _fresh(layout.tree, layout.flat)
+        self._copy_entries(layout, [(k, values[i]) for i, k, _ in layout.others], streams,
+                           early)
+        return True
+
+    def _stage_new(self, state_dict: dict, flat: dict, mappings: dict,
+                   streams: Optional[dict], early: Optional[Future] = None) -> _Layout:
+        """Stage a state dict of a new layout (or one whose tensors changed
+        kind): check every tensor, reuse the buffer if the signature is the
+        same, copy every entry, and plan the next stages."""
         for k, v in flat.items():
             if isinstance(v, torch.Tensor):
                 check_saveable(_local(v), k)  # the errors dcpx.save gives, naming the key
-        with self._lock:
-            layout = self._layout
-            if layout is None or layout.signature != _signature(flat):
-                if layout is not None:
-                    layout.buffer.release()
-                    self._layout = None
-                pin = self._cuda and self._config.use_pinned_memory
-                layout = self._layout = _Layout(state_dict, flat, mappings,
-                                                self._config.use_shared_memory, pin)
-                self.alloc_count += 1
-            host_pairs, cuda_pairs, other_pairs = [], [], []
-            for k, v in flat.items():
-                dst = layout.dst.get(k)
-                if dst is None:
-                    container, key = layout.slots[k]
-                    container[key] = layout.flat[k] = copy.deepcopy(v)
-                    continue
-                v = _local(v)
-                if v.device.type == "cpu":
-                    host_pairs.append((dlpack_export(dlpack_view(v.detach())),
-                                       layout.offsets[k]))
-                elif v.device.type == "cuda":
-                    cuda_pairs.append((v, layout.offsets[k], k))
-                else:  # other accelerators: torch's own copy
-                    other_pairs.append((v.detach(), dst))
+        layout = self._layout
+        if layout is None or layout.signature != _signature(flat):
+            if layout is not None:
+                layout.buffer.release()
+                self._layout = None
+            pin = self._cuda and self._config.use_pinned_memory
+            layout = self._layout = _Layout(state_dict, flat, mappings,
+                                            self._config.use_shared_memory, pin)
+            self.alloc_count += 1
+        else:
+            # Same signature, another kind of tensor somewhere (a strided
+            # view, another type, device or mappings): the buffer and the
+            # staged tensors stay, the plan and the template follow flat.
+            layout.mappings = mappings
+            layout.keys = list(flat)
+            layout.root_type = type(state_dict)
+            layout.tree = _mirror(state_dict, (), layout)
+            layout.plan(flat)
+        tensors = []
+        for k, v in flat.items():
+            if k in layout.offsets:
+                tensors.append((k, v))
+            else:
+                layout.flat[k] = copy.deepcopy(v)
+        self._returned = _fresh(layout.tree, layout.flat)
+        self._copy_entries(layout, tensors, streams, early)
+        return layout
+
+    def _copy_entries(self, layout: _Layout, items: list, streams: Optional[dict],
+                      early: Optional[Future] = None) -> None:
+        """Copy tensors [(key, tensor)] into their places in the buffer:
+        host memory by the C copy, CUDA by the C CUDA path, other devices by
+        torch."""
+        host_pairs, cuda_pairs, other_pairs = [], [], []
+        for k, v in items:
+            v = _local(v)
+            if v.device.type == "cpu":
+                host_pairs.append((dlpack_export(dlpack_view(v.detach())), layout.offsets[k]))
+            elif v.device.type == "cuda":
+                cuda_pairs.append((v, layout.offsets[k], k))
+            else:  # other accelerators: torch's own copy
+                other_pairs.append((v.detach(), layout.dst[k]))
+        if host_pairs:
             _C.copy_into(host_pairs, threads=_copy_threads(), base=layout.buffer.base)
-            if cuda_pairs:
-                # The upload may start once the copies are queued (no other
-                # accelerator's copy_ follows them).
-                on_queued = (_set_queued(early, layout.state_dict, cuda_pairs)
-                             if early is not None and not other_pairs else None)
-                self._copy_from_devices(cuda_pairs, layout.buffer.base, streams, on_queued)
-            for src, dst in other_pairs:
-                dst.detach().copy_(src)
-            self.stage_count += 1
-            return layout.state_dict
+        if cuda_pairs:
+            # The upload may start once the copies are queued (no other
+            # accelerator's copy_ follows them): it gets this stage's dict.
+            on_queued = (_set_queued(early, self._returned, cuda_pairs)
+                         if early is not None and not other_pairs else None)
+            self._copy_from_devices(cuda_pairs, layout.buffer.base, streams, on_queued)
+        for src, dst in other_pairs:
+            dst.detach().copy_(src)
 
     @staticmethod
     def _copy_from_devices(pairs: list, base: torch.Tensor,
@@ -583,9 +730,9 @@ class _StagerPool:
                 upload.add_done_callback(lambda _: stager.close())
                 return
             layout = stager._layout
-            signature = layout.signature if layout is not None else None
             stale = [s for s in pool if s is not stager and s._pool_reserved is None
-                     and s._layout is not None and s._layout.signature != signature]
+                     and s._layout is not None
+                     and (layout is None or not layout.same_layout(s._layout))]
             for s in stale:
                 pool.remove(s)
         for s in stale:

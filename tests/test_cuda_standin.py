@@ -1392,14 +1392,16 @@ def _overlap_stager(stager_cuda, stager, ts, gates):
                 stager._layout = stager_cuda._Layout(state_dict, flat, mappings, False, True)
             layout = stager._layout
             pairs = [(_TorchLike(ts[int(k[1:])]), layout.offsets[k], k) for k in flat]
-            tell = stager_cuda._set_queued(early, layout.state_dict, pairs)
+            # this stage's staged dict (a new one each stage: staging._fresh)
+            staged = stager._returned = stager_cuda._fresh(layout.tree, layout.flat)
+            tell = stager_cuda._set_queued(early, staged, pairs)
 
             def on_queued(gate):
                 gates.append(gate)
                 tell(gate)
             stager_cuda.DefaultStager._copy_from_devices(pairs, layout.buffer.base, streams,
                                                          on_queued)
-            return layout.state_dict
+            return staged
     return stage_flat
 
 
