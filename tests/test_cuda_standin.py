@@ -1320,7 +1320,10 @@ def test_writers_start_on_each_segment_as_its_copies_complete(lib, tmp_path):
     job = _gated_job(tmp_path, buf, offs, [4096] * 6, gate, keys)
     job.start()
     try:
-        _wait_for(lambda: _C.gate_stats(gate)[2] == 1, "the writer waiting at segment 2")
+        # Segment 1 published and a writer blocked on bytes past it: the
+        # writer may first wait at segment 1, before it is published.
+        _wait_for(lambda: _C.gate_stats(gate)[0] == 2 * 4096 and _C.gate_stats(gate)[2] == 1,
+                  "the writer waiting at segment 2")
         assert _C.gate_stats(gate) == (2 * 4096, 0, 1)
         assert waiter.is_alive() and lib.fake_copies_run() == 2
         for k, d in zip(keys[:2], data[:2]):
@@ -1429,7 +1432,8 @@ def test_async_save_writes_while_the_later_segments_still_copy(stager_cuda, lib,
             lib.fake_hold_after(2)
             resp = dcpx.async_save(sd, checkpoint_id=str(path), async_stager=stager)
             try:
-                _wait_for(lambda: len(gates) > rnd and _C.gate_stats(gates[rnd])[2] >= 1,
+                _wait_for(lambda: len(gates) > rnd and _C.gate_stats(gates[rnd])[0] == 2 * 4096
+                          and _C.gate_stats(gates[rnd])[2] >= 1,
                           "a writer waiting at segment 2")
                 assert _C.gate_stats(gates[rnd])[:2] == (2 * 4096, 0)
                 assert not resp.staging_completion.done()
