@@ -19,25 +19,12 @@ import tempfile
 import time
 import warnings
 
-import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_io import make_small  # noqa: E402  (its 20,000-tensor mix)
+
 CHUNK = 64 << 20
-
-
-def make_small(count=20000, seed=1):
-    """bench_io.py's many-small-tensors state dict."""
-    g = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    kinds = ["norm.weight", "norm.bias", "proj.bias", "gate.weight"]
-    sd = {}
-    for i in range(count):
-        if rng.random() < 0.6:
-            shape = (int(rng.integers(64, 4097)),)
-        else:
-            shape = (int(rng.integers(2, 65)), int(rng.integers(32, 65)))
-        sd[f"blocks.{i // 4}.{kinds[i % 4]}"] = torch.randn(shape, generator=g)
-    return sd
 
 
 def make_tiny(count=100000):
@@ -129,7 +116,7 @@ def main():
     workdir = tempfile.mkdtemp(prefix="dcpx-bench-load-", dir=args.dir)
     try:
         if args.which in ("small", "both"):
-            run("small", make_small(), args, workdir)
+            run("small", make_small(20000), args, workdir)
         if args.which in ("tiny", "both"):
             run("tiny", make_tiny(), args, workdir)
     finally:

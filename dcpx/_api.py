@@ -65,13 +65,13 @@ def _dist_in_use(no_dist: bool) -> bool:
 
 
 def _stateful_to_state_dict(state_dict: dict) -> dict:
+    """A new dict: each top-level Stateful value replaced by its
+    state_dict().  A state dict holding only types that never are Stateful
+    is copied as it is, without a Python call per entry."""
+    if _NEVER_STATEFUL.issuperset(map(type, state_dict.values())):
+        return dict(state_dict)
     return {k: (v.state_dict() if is_stateful(v) else v)
             for k, v in state_dict.items()}
-
-
-def _is_plain_tensor(obj: Any) -> bool:
-    """A tensor dcpx saves as its own memory (dcpx._plan.plain_tensor)."""
-    return _plan.plain_tensor(obj)
 
 
 def _is_plain_or_value(obj: Any) -> bool:
@@ -338,4 +338,4 @@ def _all_fast(values, distributed: bool) -> bool:
     if all(t in _PLAIN_TENSOR_TYPES or not issubclass(t, torch.Tensor)
            for t in set(map(type, values))):
         return True
-    return all(map(_dist.fast_value if distributed else _is_plain_or_value, values))
+    return all(_plan.plannable(v, distributed) for v in values)

@@ -67,8 +67,6 @@ from ._writer import FileSystemWriter, _path_key
 from .errors import CheckpointError, CorruptCheckpointError, checkpoint_errors
 
 
-
-
 def fast_value(obj: Any) -> bool:
     """A value dcpx's own multi-process planning handles
     (dcpx._plan.plannable: the one rule of both paths)."""
