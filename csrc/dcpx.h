@@ -135,8 +135,8 @@ typedef struct {
  * after it (room for the tensor bytes: the archive is then contiguous in
  * `mem`; 0 puts the tail right after the head, and DCPX_ARCHIVE_MAX always
  * suffices then).  Nothing is allocated, so writer threads build each
- * archive where it is written, and the lengths alone can be learnt from a
- * build into scratch memory.  `storage_type` is the pickle
+ * archive where it is written.  With mem == NULL nothing is written: only
+ * a->head_len and a->tail_len are set (the lengths that fix the layout).  `storage_type` is the pickle
  * global name torch uses ("FloatStorage", "uint16", ...); `serial` is the
  * archive's serialization id.  data/0's CRC is left 0 until
  * dcpx_archive_patch_crc.  Returns 0, or -1 with errno ERANGE (cap too

@@ -460,8 +460,8 @@ static const witem *find_template(const templates *tp, const witem *it)
 }
 
 /* The head and tail lengths of `it`'s archive: the writer thread builds it
- * where it writes it; here it is built once into scratch memory (or its
- * lengths taken from an item of the same kind) to fix the layout. */
+ * where it writes it; here it is only measured (or its lengths taken from
+ * an item of the same kind) to fix the layout. */
 static int measure_archive(witem *it, templates *tp)
 {
     const witem *t = find_template(tp, it);
@@ -470,9 +470,8 @@ static int measure_archive(witem *it, templates *tp)
         it->tail_len = t->tail_len;
         return 0;
     }
-    char scratch[DCPX_ARCHIVE_MAX];
     dcpx_archive a;
-    if (dcpx_archive_build(&a, scratch, sizeof(scratch), 0, it->stype,
+    if (dcpx_archive_build(&a, NULL, 0, 0, it->stype,
                            it->view.shape, it->view.ndim, it->view.numel,
                            it->view.nbytes, it->serial) < 0) {
         PyErr_SetString(PyExc_ValueError, "dcpx: tensor archive header too large");

@@ -29,7 +29,8 @@
 #define U32_MAX_FIELD 0xFFFFFFFFu
 
 /* A fixed piece of the caller's memory: nothing here allocates (the writer
- * threads build archives in their own arenas). */
+ * threads build archives in their own arenas).  With p == NULL, only the
+ * length is counted (dcpx_archive_build's measuring mode). */
 typedef struct {
     char *p;
     size_t len, cap;
@@ -38,6 +39,10 @@ typedef struct {
 
 static void put(buf_t *b, const void *src, size_t n)
 {
+    if (b->p == NULL) {
+        b->len += n;
+        return;
+    }
     if (b->full || n > b->cap - b->len) {
         b->full = 1;
         return;
@@ -243,7 +248,7 @@ static void store32(char *p, uint32_t v)
 /* A stored record of `size` bytes at `data`, its CRC computed here. */
 static void small_record(buf_t *b, uint64_t base, rec_t *r, const void *data)
 {
-    r->crc = dcpx_crc32(0, data, r->size);
+    r->crc = b->p != NULL ? dcpx_crc32(0, data, r->size) : 0;
     local_header(b, base + b->len, r, 0, NULL);
     put(b, data, r->size);
 }
@@ -330,7 +335,10 @@ int dcpx_archive_build(dcpx_archive *a, char *mem, size_t cap, size_t tail_skip,
     };
 
     memset(a, 0, sizeof(*a));
-    snprintf(sid, sizeof(sid), "%040llu", (unsigned long long)serial);
+    if (mem != NULL)
+        snprintf(sid, sizeof(sid), "%040llu", (unsigned long long)serial);
+    else /* measuring: only its length counts */
+        memcpy(sid, "0000000000000000000000000000000000000000", 41);
     /* data.pkl: its header first (the padding depends only on where it
      * starts), then the pickle built in place; CRC and sizes patched. */
     local_header(&head, 0, &r[0], 0, &crc_at);
@@ -340,10 +348,12 @@ int dcpx_archive_build(dcpx_archive *a, char *mem, size_t cap, size_t tail_skip,
     if (head.full)
         goto full;
     r[0].size = head.len - pk_start;
-    r[0].crc = dcpx_crc32(0, head.p + pk_start, (size_t)r[0].size);
-    store32(head.p + crc_at, r[0].crc);
-    store32(head.p + size_at, (uint32_t)r[0].size);
-    store32(head.p + size_at + 4, (uint32_t)r[0].size);
+    if (mem != NULL) {
+        r[0].crc = dcpx_crc32(0, head.p + pk_start, (size_t)r[0].size);
+        store32(head.p + crc_at, r[0].crc);
+        store32(head.p + size_at, (uint32_t)r[0].size);
+        store32(head.p + size_at + 4, (uint32_t)r[0].size);
+    }
     small_record(&head, 0, &r[1], "1");
     small_record(&head, 0, &r[2], "64");
     small_record(&head, 0, &r[3], "little");
@@ -354,9 +364,10 @@ int dcpx_archive_build(dcpx_archive *a, char *mem, size_t cap, size_t tail_skip,
         goto full;
 
     uint64_t base = head.len + nbytes; /* tail starts here */
-    if (tail_skip > cap - head.len)
+    if (mem != NULL && tail_skip > cap - head.len)
         goto full;
-    tail = (buf_t){mem + head.len + tail_skip, 0, cap - head.len - tail_skip, 0};
+    tail = (buf_t){mem ? mem + head.len + tail_skip : NULL, 0,
+                   mem ? cap - head.len - tail_skip : 0, 0};
     small_record(&tail, base, &r[5], "3\n");
     small_record(&tail, base, &r[6], sid);
     uint64_t cd_off = base + tail.len;
