@@ -115,34 +115,36 @@ const char *dcpx_crc32_impl(void);
 /* zipwrite.c: one torch.save-compatible archive holding one tensor. */
 #define DCPX_ALIGN 64
 
+/* Room that the head and tail of any archive dcpx builds fit in: the
+ * pickle holds at most 2 * 64 dims of <= 10 bytes; the records around it
+ * take under 1 KiB. */
+#define DCPX_ARCHIVE_MAX 4096
+
 typedef struct {
-    char *head;            /* owned (malloc): bytes before the tensor data */
+    char *head;            /* the caller's memory: bytes before the tensor data */
     size_t head_len;
-    char *tail;            /* owned (malloc): bytes after the tensor data */
+    char *tail;            /* right after head in the same memory */
     size_t tail_len;
     uint64_t data_len;     /* tensor bytes between head and tail */
     size_t crc_pos_head;   /* where data/0's CRC goes in head */
     size_t crc_pos_tail;   /* where data/0's CRC goes in the central dir */
-    size_t sid_pos;        /* .data/serialization_id's 40 digits in tail */
-    size_t sid_crc_local;  /* and their CRC: in its local header (tail) */
-    size_t sid_crc_central; /* and in its central-directory entry (tail) */
-    int joint;             /* tail lies in head's allocation (a clone) */
 } dcpx_archive;
 
-/* Build head/tail for a tensor of `shape` (ndim dims) stored contiguously.
- * `storage_type` is the pickle global name torch uses ("FloatStorage",
- * "uint16", ...).  Returns 0, or -1 with errno set (ENOMEM). */
-int dcpx_archive_build(dcpx_archive *a, const char *storage_type,
-                       const int64_t *shape, int ndim, uint64_t numel,
-                       uint64_t nbytes, uint64_t serial);
-/* The archive of another tensor of the same storage type, shape and size:
- * a copy of `src` (not yet CRC-patched) with `serial` as its
- * serialization id, in one allocation.  Byte-identical to what
- * dcpx_archive_build makes for it, at a fraction of the cost.  Returns 0, or
- * -1 with errno set (ENOMEM). */
-int dcpx_archive_clone(dcpx_archive *a, const dcpx_archive *src, uint64_t serial);
+/* Build head and tail for a tensor of `shape` (ndim dims) stored
+ * contiguously into `mem` (`cap` bytes): head first, tail `tail_skip` bytes
+ * after it (room for the tensor bytes: the archive is then contiguous in
+ * `mem`; 0 puts the tail right after the head, and DCPX_ARCHIVE_MAX always
+ * suffices then).  Nothing is allocated, so writer threads build each
+ * archive where it is written.  With mem == NULL nothing is written: only
+ * a->head_len and a->tail_len are set (the lengths that fix the layout).  `storage_type` is the pickle
+ * global name torch uses ("FloatStorage", "uint16", ...); `serial` is the
+ * archive's serialization id.  data/0's CRC is left 0 until
+ * dcpx_archive_patch_crc.  Returns 0, or -1 with errno ERANGE (cap too
+ * small). */
+int dcpx_archive_build(dcpx_archive *a, char *mem, size_t cap, size_t tail_skip,
+                       const char *storage_type, const int64_t *shape, int ndim,
+                       uint64_t numel, uint64_t nbytes, uint64_t serial);
 void dcpx_archive_patch_crc(dcpx_archive *a, uint32_t crc);
-void dcpx_archive_free(dcpx_archive *a);
 
 /* ------------------------------------------------------------------ */
 /* zipread.c: validate an archive and find the tensor's bytes. */

@@ -28,27 +28,24 @@
 #define NREC 7
 #define U32_MAX_FIELD 0xFFFFFFFFu
 
+/* A fixed piece of the caller's memory: nothing here allocates (the writer
+ * threads build archives in their own arenas).  With p == NULL, only the
+ * length is counted (dcpx_archive_build's measuring mode). */
 typedef struct {
     char *p;
     size_t len, cap;
-    int oom;
+    int full;              /* a put did not fit: the result is unusable */
 } buf_t;
 
 static void put(buf_t *b, const void *src, size_t n)
 {
-    if (b->oom)
+    if (b->p == NULL) {
+        b->len += n;
         return;
-    if (b->len + n > b->cap) {
-        size_t cap = b->cap ? b->cap * 2 : 1024;
-        while (cap < b->len + n)
-            cap *= 2;
-        char *np = realloc(b->p, cap);
-        if (np == NULL) {
-            b->oom = 1;
-            return;
-        }
-        b->p = np;
-        b->cap = cap;
+    }
+    if (b->full || n > b->cap - b->len) {
+        b->full = 1;
+        return;
     }
     memcpy(b->p + b->len, src, n);
     b->len += n;
@@ -242,9 +239,16 @@ static void local_header(buf_t *b, uint64_t pos, rec_t *r, int zip64,
         put8(b, 'Z');
 }
 
+static void store32(char *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (char)(v >> (8 * i));
+}
+
+/* A stored record of `size` bytes at `data`, its CRC computed here. */
 static void small_record(buf_t *b, uint64_t base, rec_t *r, const void *data)
 {
-    r->crc = dcpx_crc32(0, data, r->size);
+    r->crc = b->p != NULL ? dcpx_crc32(0, data, r->size) : 0;
     local_header(b, base + b->len, r, 0, NULL);
     put(b, data, r->size);
 }
@@ -316,12 +320,13 @@ static void end_records(buf_t *b, uint64_t cd_off, uint64_t cd_len,
     put16(b, 0);
 }
 
-int dcpx_archive_build(dcpx_archive *a, const char *storage_type,
-                       const int64_t *shape, int ndim, uint64_t numel,
-                       uint64_t nbytes, uint64_t serial)
+int dcpx_archive_build(dcpx_archive *a, char *mem, size_t cap, size_t tail_skip,
+                       const char *storage_type, const int64_t *shape, int ndim,
+                       uint64_t numel, uint64_t nbytes, uint64_t serial)
 {
-    buf_t pk = {0}, head = {0}, tail = {0};
+    buf_t head = {mem, 0, cap, 0}, tail;
     char sid[48];
+    size_t crc_at, size_at, pk_start;
     rec_t r[NREC] = {
         {"data.pkl", 0, 0, 0},          {".format_version", 0, 1, 0},
         {".storage_alignment", 0, 2, 0}, {"byteorder", 0, 6, 0},
@@ -330,87 +335,62 @@ int dcpx_archive_build(dcpx_archive *a, const char *storage_type,
     };
 
     memset(a, 0, sizeof(*a));
-    snprintf(sid, sizeof(sid), "%040llu", (unsigned long long)serial);
-    build_pickle(&pk, storage_type, shape, ndim, numel, nbytes);
-    if (pk.oom)
-        goto oom;
-    r[0].size = pk.len;
-    small_record(&head, 0, &r[0], pk.p);
+    if (mem != NULL)
+        snprintf(sid, sizeof(sid), "%040llu", (unsigned long long)serial);
+    else /* measuring: only its length counts */
+        memcpy(sid, "0000000000000000000000000000000000000000", 41);
+    /* data.pkl: its header first (the padding depends only on where it
+     * starts), then the pickle built in place; CRC and sizes patched. */
+    local_header(&head, 0, &r[0], 0, &crc_at);
+    size_at = crc_at + 4;
+    pk_start = head.len;
+    build_pickle(&head, storage_type, shape, ndim, numel, nbytes);
+    if (head.full)
+        goto full;
+    r[0].size = head.len - pk_start;
+    if (mem != NULL) {
+        r[0].crc = dcpx_crc32(0, head.p + pk_start, (size_t)r[0].size);
+        store32(head.p + crc_at, r[0].crc);
+        store32(head.p + size_at, (uint32_t)r[0].size);
+        store32(head.p + size_at + 4, (uint32_t)r[0].size);
+    }
     small_record(&head, 0, &r[1], "1");
     small_record(&head, 0, &r[2], "64");
     small_record(&head, 0, &r[3], "little");
-    r[4].crc = 0; /* patched later */
+    r[4].crc = 0; /* patched by dcpx_archive_patch_crc */
     local_header(&head, head.len, &r[4], nbytes >= U32_MAX_FIELD,
                  &a->crc_pos_head);
+    if (head.full)
+        goto full;
 
     uint64_t base = head.len + nbytes; /* tail starts here */
+    if (mem != NULL && tail_skip > cap - head.len)
+        goto full;
+    tail = (buf_t){mem ? mem + head.len + tail_skip : NULL, 0,
+                   mem ? cap - head.len - tail_skip : 0, 0};
     small_record(&tail, base, &r[5], "3\n");
-    a->sid_crc_local = tail.len + 14; /* after signature..date */
     small_record(&tail, base, &r[6], sid);
-    a->sid_pos = tail.len - 40;
     uint64_t cd_off = base + tail.len;
     size_t cd_start = tail.len;
     for (int i = 0; i < NREC; i++)
-        central_entry(&tail, &r[i], i == 4 ? &a->crc_pos_tail
-                                           : i == 6 ? &a->sid_crc_central : NULL);
+        central_entry(&tail, &r[i], i == 4 ? &a->crc_pos_tail : NULL);
     uint64_t cd_len = tail.len - cd_start;
     end_records(&tail, cd_off, cd_len, base + tail.len);
-    if (head.oom || tail.oom)
-        goto oom;
-    free(pk.p);
+    if (tail.full)
+        goto full;
     a->head = head.p;
     a->head_len = head.len;
     a->tail = tail.p;
     a->tail_len = tail.len;
     a->data_len = nbytes;
     return 0;
-oom:
-    free(pk.p);
-    free(head.p);
-    free(tail.p);
-    errno = ENOMEM;
+full:
+    errno = ERANGE;
     return -1;
-}
-
-static void store32(char *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (char)(v >> (8 * i));
 }
 
 void dcpx_archive_patch_crc(dcpx_archive *a, uint32_t crc)
 {
     store32(a->head + a->crc_pos_head, crc);
     store32(a->tail + a->crc_pos_tail, crc);
-}
-
-int dcpx_archive_clone(dcpx_archive *a, const dcpx_archive *src, uint64_t serial)
-{
-    char sid[48];
-    char *p = malloc(src->head_len + src->tail_len);
-
-    if (p == NULL) {
-        errno = ENOMEM;
-        return -1;
-    }
-    *a = *src;
-    a->head = p;
-    a->tail = p + src->head_len;
-    a->joint = 1;
-    memcpy(a->head, src->head, src->head_len);
-    memcpy(a->tail, src->tail, src->tail_len);
-    snprintf(sid, sizeof(sid), "%040llu", (unsigned long long)serial);
-    memcpy(a->tail + a->sid_pos, sid, 40);
-    uint32_t crc = dcpx_crc32(0, sid, 40);
-    store32(a->tail + a->sid_crc_local, crc);
-    store32(a->tail + a->sid_crc_central, crc);
-    return 0;
-}
-
-void dcpx_archive_free(dcpx_archive *a)
-{
-    free(a->head);
-    if (!a->joint)
-        free(a->tail);
-    a->head = a->tail = NULL;
 }

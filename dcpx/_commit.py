@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Optional
 from torch.distributed.checkpoint.metadata import Metadata
 
 from . import _locks
-from ._files import _DATA_FILE, _TAGGED_DATA_FILE, _TMP_METADATA, _fsync_dir
+from ._files import METADATA_FN, _DATA_FILE, _RANK_METADATA, _TAGGED_DATA_FILE, _TMP_METADATA, _fsync_dir
 from .errors import CheckpointError
 
 
@@ -91,6 +91,27 @@ def discard_own(self: "FileSystemWriter") -> None:
             except FileNotFoundError:
                 pass
 
+def _supersede_other_mode(self: "FileSystemWriter", names: list, own: str) -> None:
+    """The directory held a checkpoint saved the other way (with or
+    without collectives) before this one: its metadata goes, before the
+    data files it references are deleted below.  A use_collectives=False
+    save removes a ``.metadata`` (``load`` would read that first, and its
+    data files of this rank are deleted below: the save that succeeded would
+    not load); a collective save removes ``__{rank}.metadata`` files (their
+    data files are deleted below; ``load`` reads ``.metadata`` first)."""
+    if own == "__":
+        stale = [n for n in names if _RANK_METADATA.match(n)]
+    else:
+        stale = [n for n in names if n == METADATA_FN]
+    for name in stale:
+        try:
+            os.unlink(self.path / name)
+        except FileNotFoundError:
+            pass
+    if stale and self.sync_files:
+        _fsync_dir(self.path)  # gone before any file they reference
+
+
 def remove_unreferenced(self: "FileSystemWriter", metadata: Metadata,
                         ino: Optional[int] = None) -> None:
     """Delete data files the new metadata does not reference, except
@@ -118,6 +139,7 @@ def remove_unreferenced(self: "FileSystemWriter", metadata: Metadata,
 
     try:
         names = os.listdir(self.path)
+        _supersede_other_mode(self, names, own)
         for name in names:
             stale_data = _DATA_FILE.match(name) and name.startswith(own) and name not in keep
             if stale_data:

@@ -19,6 +19,7 @@ DCP_VERSION = "1.0.0"
 METADATA_FN = _metadata.METADATA_FN
 _DATA_FILE = re.compile(r"^__\d+_.*\.distcp$")
 _TMP_METADATA = re.compile(r"^(__\d+)?\.metadata\.tmp")
+_RANK_METADATA = re.compile(r"^__\d+\.metadata$")  # a use_collectives=False save's
 _TAGGED_DATA_FILE = re.compile(r"^__\d+_([0-9a-f]{16})_\d+\.distcp$")
 
 

@@ -262,6 +262,50 @@ def check_async_use_collectives_false(ctx):
     assert got["rank"] == ctx.rank
 
 
+def check_collective_and_per_rank_saves_into_one_directory(ctx):
+    """A directory saved with collectives, then without, then with again:
+    each save, once it returned, is what dcpx and torch load.  Before, a
+    use_collectives=False save deleted its rank's data files of the earlier
+    collective checkpoint but left its .metadata, which load reads first:
+    the save that succeeded did not load (missing files)."""
+    import torch.distributed.checkpoint as tdcp
+
+    path = ctx.path("mixed_modes")
+
+    def state(tag):
+        return {"x": full_value(f"{tag}{ctx.rank}", (16, 8)), "tag": f"{tag}{ctx.rank}"}
+
+    def loads_back(tag, what):
+        for loader in (dcpx.load, tdcp.load):
+            got = {"x": torch.zeros(16, 8), "tag": None}
+            loader(got, checkpoint_id=path)
+            assert got["tag"] == f"{tag}{ctx.rank}", (
+                f"{what}: {loader.__module__} on rank {ctx.rank} read {got['tag']!r}")
+            assert_bit_equal(got["x"], state(tag)["x"], f"{what}: {loader.__module__}")
+
+    # collective: the same keys on both ranks, rank 0's values are saved
+    dcpx.save({"x": full_value("a0", (16, 8)), "tag": "a0"}, checkpoint_id=path)
+    dist.barrier()
+    dcpx.save(state("b"), checkpoint_id=path, use_collectives=False)
+    dist.barrier()
+    loads_back("b", "per-rank save over a collective one")
+    names = sorted(n for n in os.listdir(path) if "metadata" in n)
+    assert names == ["__0.metadata", "__1.metadata"], f"after the per-rank save: {names}"
+    dist.barrier()
+    dcpx.save({"x": full_value("c0", (16, 8)), "tag": "c0"}, checkpoint_id=path)
+    dist.barrier()
+    names = sorted(n for n in os.listdir(path) if "metadata" in n)
+    assert names == [".metadata"], f"after the collective save: {names}"
+    md = read_metadata(path)
+    referenced = {si.relative_path for si in md.storage_data.values()}
+    data = {n for n in os.listdir(path) if n.endswith(".distcp")}
+    assert data == referenced, f"unreferenced data files left: {sorted(data - referenced)}"
+    got = {"x": torch.zeros(16, 8), "tag": None}
+    dcpx.load(got, checkpoint_id=path)
+    assert got["tag"] == "c0"
+    assert_bit_equal(got["x"], full_value("c0", (16, 8)), "collective save over a per-rank one")
+
+
 def _refusals(ctx, group) -> dict:
     """dcpx's and torch's async_save on ``group``: {name: message}."""
     import torch.distributed.checkpoint as tdcp
@@ -369,6 +413,7 @@ CHECKS_2 = [check_save_load_default_group, check_save_load_explicit_group,
             check_async_save_future, check_async_save_response_explicit_group,
             check_rank_specific_keys, check_no_dist_saves_alone,
             check_use_collectives_false, check_async_use_collectives_false,
+            check_collective_and_per_rank_saves_into_one_directory,
             check_async_save_refuses_group_without_cpu_backend,
             check_repeated_async_saves_with_training_collectives,
             check_repeated_async_saves_on_own_group_with_training_collectives,
