@@ -8,6 +8,13 @@
  *            | (tensor, storage_type, gate)  the same, its bytes read only
  *                                         once the staging gate says they
  *                                         are final (csrc/gate.h)
+ *            | (offset, nbytes, storage_type, shape[, gate])
+ *                                         a contiguous tensor of `shape`
+ *                                         stored at bytes [offset, offset +
+ *                                         nbytes) of `base` (a staging
+ *                                         buffer, taken once through DLPack
+ *                                         by WriteJob(..., base=buffer)):
+ *                                         no DLPack per tensor
  *   job.layout()  -> [[(offset, length), ...] per file]   (known at once)
  *   job.start()   starts the threads;  job.wait() joins them (GIL released)
  *   job.cancel()  asks the threads to stop at the next chunk
@@ -67,6 +74,8 @@ typedef struct {
     dcpx_gate *gate;       /* owned reference, or NULL: wait for it before
                               reading the tensor's bytes */
     char stype[STYPE_MAX]; /* storage type name, for the archive's pickle */
+    int64_t dims[4];       /* a base item's shape when ndim <= 4 ... */
+    int64_t *big_dims;     /* ... else here (owned, PyMem_Raw) */
     uint64_t serial;       /* the archive's serialization id */
     uint32_t head_len, tail_len;
     /* layout */
@@ -88,6 +97,8 @@ typedef struct {
     wfile *files;
     Py_ssize_t nfiles;
     PyObject *keep;        /* list: bytes objects items borrow from */
+    dcpx_view base;        /* base items' buffer (owned), if has_base */
+    int has_base;
     int sync;
     int nthreads;
     pthread_t *tids;
@@ -517,6 +528,73 @@ static int measure_archive(witem *it, templates *tp)
     return 0;
 }
 
+/* A base item's view: the contiguous bytes [off, off + len) of the job's
+ * base buffer, of `shape` (a tuple of ints); borrowed (release is a no-op:
+ * the caller keeps the buffer alive and unchanged until the job is done). */
+static int base_view(WriteJob *self, witem *it, unsigned long long off,
+                     unsigned long long len, PyObject *shape)
+{
+    Py_ssize_t nd = PyTuple_GET_SIZE(shape);
+    dcpx_view *v = &it->view;
+    uint64_t numel = 1;
+    int64_t *dims = it->dims;
+
+    if (!self->has_base) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: a base item needs WriteJob(..., base=)");
+        return -1;
+    }
+    if (off > self->base.nbytes || len > self->base.nbytes - off) {
+        PyErr_Format(PyExc_ValueError, "dcpx: base item [%llu, +%llu) outside the "
+                     "buffer of %llu bytes", off, len,
+                     (unsigned long long)self->base.nbytes);
+        return -1;
+    }
+    if (nd > 64) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: unsupported ndim");
+        return -1;
+    }
+    if (nd > 4) {
+        dims = it->big_dims = PyMem_RawMalloc((size_t)nd * sizeof(int64_t));
+        if (dims == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        long long d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        if (d == -1 && PyErr_Occurred())
+            return -1;
+        if (d < 0) {
+            PyErr_SetString(PyExc_ValueError, "dcpx: negative dimension");
+            return -1;
+        }
+        dims[i] = d;
+        if (numel != 0 && d != 0 && (uint64_t)d > UINT64_MAX / numel) {
+            PyErr_SetString(PyExc_ValueError, "dcpx: shape too large");
+            return -1;
+        }
+        numel *= (uint64_t)d;
+    }
+    uint64_t isz = numel ? len / numel : 1;
+    if (numel == 0 ? len != 0
+                   : (len % numel != 0 || isz == 0 || isz > 16 || (isz & (isz - 1)))) {
+        PyErr_Format(PyExc_ValueError, "dcpx: base item of %llu bytes does not "
+                     "hold %llu elements", len, (unsigned long long)numel);
+        return -1;
+    }
+    memset(v, 0, sizeof(*v));
+    v->data = self->base.data + off;
+    v->ndim = (int)nd;
+    v->shape = dims;
+    v->itemsize = (uint32_t)isz;
+    v->numel = numel;
+    v->nbytes = len;
+    v->device_type = self->base.device_type;
+    v->device_id = self->base.device_id;
+    v->contiguous = 1;
+    return 0;
+}
+
 static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial,
                     templates *tp)
 {
@@ -526,7 +604,8 @@ static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial,
         it->length = it->bytes_len;
         return PyList_Append(self->keep, obj);
     }
-    PyObject *tensor, *gate = NULL;
+    PyObject *tensor = NULL, *gate = NULL, *shape = NULL;
+    unsigned long long boff = 0, blen = 0;
     const char *stype;
     if (!PyTuple_Check(obj)) {
         PyErr_Format(PyExc_TypeError,
@@ -534,10 +613,17 @@ static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial,
                      "not %.200s", Py_TYPE(obj)->tp_name);
         return -1;
     }
-    if (!PyArg_ParseTuple(obj, "Os|O;dcpx: item must be bytes or (tensor, "
-                               "storage_type[, gate])", &tensor, &stype,
-                          &gate))
+    if (PyTuple_GET_SIZE(obj) >= 4 && PyLong_Check(PyTuple_GET_ITEM(obj, 0))) {
+        if (!PyArg_ParseTuple(obj, "KKsO!|O;dcpx: a base item must be (offset, "
+                                   "nbytes, storage_type, shape[, gate])",
+                              &boff, &blen, &stype, &PyTuple_Type, &shape, &gate))
+            return -1;
+    }
+    else if (!PyArg_ParseTuple(obj, "Os|O;dcpx: item must be bytes or (tensor, "
+                                    "storage_type[, gate])", &tensor, &stype,
+                               &gate)) {
         return -1;
+    }
     if (strlen(stype) >= STYPE_MAX) {
         PyErr_Format(PyExc_ValueError, "dcpx: storage type name too long: %.100s",
                      stype);
@@ -550,7 +636,8 @@ static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial,
             return -1;
         dcpx_gate_incref(it->gate);
     }
-    if (dcpx_view_from_object(tensor, &it->view, 0) < 0)
+    if (shape != NULL ? base_view(self, it, boff, blen, shape) < 0
+                      : dcpx_view_from_object(tensor, &it->view, 0) < 0)
         return -1;
     it->is_tensor = 1;
     if (it->view.device_type != DCPX_DL_CPU &&
@@ -616,6 +703,8 @@ static void release_items(WriteJob *self)
         wfile *f = &self->files[i];
         for (Py_ssize_t j = 0; j < f->n; j++) {
             dcpx_view_release(&f->items[j].view);
+            PyMem_RawFree(f->items[j].big_dims);
+            f->items[j].big_dims = NULL;
             dcpx_gate_decref(f->items[j].gate);
             f->items[j].gate = NULL;
         }
@@ -625,6 +714,10 @@ static void release_items(WriteJob *self)
     PyMem_RawFree(self->files);
     self->files = NULL;
     self->nfiles = 0;
+    if (self->has_base) {
+        dcpx_view_release(&self->base);
+        self->has_base = 0;
+    }
 }
 
 static void join_threads(WriteJob *self)
@@ -640,8 +733,8 @@ static void join_threads(WriteJob *self)
 
 static int WriteJob_init(WriteJob *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"files", "sync_files", "threads", "serial", NULL};
-    PyObject *files, *fast = NULL;
+    static char *kwlist[] = {"files", "sync_files", "threads", "serial", "base", NULL};
+    PyObject *files, *fast = NULL, *base = Py_None;
     int sync = 1, nthreads = 1;
     unsigned long long serial_arg = 0;
     uint64_t serial;
@@ -650,8 +743,8 @@ static int WriteJob_init(WriteJob *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "dcpx: WriteJob is initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|piK", kwlist, &files,
-                                     &sync, &nthreads, &serial_arg))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|piKO", kwlist, &files,
+                                     &sync, &nthreads, &serial_arg, &base))
         return -1;
     serial = serial_arg;
     if (nthreads < 1 || nthreads > 256) {
@@ -659,6 +752,18 @@ static int WriteJob_init(WriteJob *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->sync = sync;
+    if (base != Py_None) {
+        if (dcpx_view_from_object(base, &self->base, 0) < 0)
+            return -1;
+        self->has_base = 1;
+        if (!self->base.contiguous || (self->base.device_type != DCPX_DL_CPU &&
+                                       self->base.device_type != DCPX_DL_CUDA_HOST)) {
+            PyErr_SetString(PyExc_ValueError,
+                            "dcpx: base must be contiguous host memory");
+            release_items(self);
+            return -1;
+        }
+    }
     self->keep = PyList_New(0);
     fast = PySequence_Fast(files, "dcpx: files must be a sequence");
     if (self->keep == NULL || fast == NULL)
@@ -846,7 +951,7 @@ static PyGetSetDef WriteJob_getset[] = {
 };
 
 PyDoc_STRVAR(WriteJob_doc,
-             "WriteJob(files, sync_files=True, threads=1, serial=0)\n--\n\n"
+             "WriteJob(files, sync_files=True, threads=1, serial=0, base=None)\n--\n\n"
              "Write DCP data files from C threads without the GIL.");
 
 static PyType_Slot WriteJob_slots[] = {

@@ -37,7 +37,10 @@ typedef struct {
     int full;              /* a put did not fit: the result is unusable */
 } buf_t;
 
-static void put(buf_t *b, const void *src, size_t n)
+/* Inlined everywhere: with a constant n (every field) each put is a store. */
+#define FIELD static inline __attribute__((always_inline)) void
+
+FIELD put(buf_t *b, const void *src, size_t n)
 {
     if (b->p == NULL) {
         b->len += n;
@@ -51,27 +54,27 @@ static void put(buf_t *b, const void *src, size_t n)
     b->len += n;
 }
 
-static void put8(buf_t *b, uint8_t v) { put(b, &v, 1); }
-static void put16(buf_t *b, uint16_t v)
+FIELD put8(buf_t *b, uint8_t v) { put(b, &v, 1); }
+FIELD put16(buf_t *b, uint16_t v)
 {
     unsigned char s[2] = {(unsigned char)v, (unsigned char)(v >> 8)};
     put(b, s, 2);
 }
-static void put32(buf_t *b, uint32_t v)
+FIELD put32(buf_t *b, uint32_t v)
 {
     unsigned char s[4];
     for (int i = 0; i < 4; i++)
         s[i] = (unsigned char)(v >> (8 * i));
     put(b, s, 4);
 }
-static void put64(buf_t *b, uint64_t v)
+FIELD put64(buf_t *b, uint64_t v)
 {
     unsigned char s[8];
     for (int i = 0; i < 8; i++)
         s[i] = (unsigned char)(v >> (8 * i));
     put(b, s, 8);
 }
-static void puts_(buf_t *b, const char *s) { put(b, s, strlen(s)); }
+FIELD puts_(buf_t *b, const char *s) { put(b, s, strlen(s)); }
 
 /* ---- pickle (protocol 2) of torch._utils._rebuild_tensor_v2(...) ---- */
 
@@ -197,6 +200,7 @@ static void build_pickle(buf_t *b, const char *storage_type,
 
 typedef struct {
     const char *name;
+    size_t name_len;
     uint64_t lho;   /* local header offset, from the archive start */
     uint64_t size;
     uint32_t crc;
@@ -207,7 +211,7 @@ typedef struct {
 static void local_header(buf_t *b, uint64_t pos, rec_t *r, int zip64,
                          size_t *crc_at)
 {
-    size_t nlen = strlen(PREFIX) + strlen(r->name);
+    size_t nlen = strlen(PREFIX) + r->name_len;
     size_t fixed = 30 + nlen + 4 + (zip64 ? 20 : 0);
     size_t pad = (DCPX_ALIGN - (pos + fixed) % DCPX_ALIGN) % DCPX_ALIGN;
 
@@ -226,7 +230,7 @@ static void local_header(buf_t *b, uint64_t pos, rec_t *r, int zip64,
     put16(b, (uint16_t)nlen);
     put16(b, (uint16_t)(4 + pad + (zip64 ? 20 : 0)));
     puts_(b, PREFIX);
-    puts_(b, r->name);
+    put(b, r->name, r->name_len);
     if (zip64) {
         put16(b, 0x0001);
         put16(b, 16);
@@ -255,7 +259,7 @@ static void small_record(buf_t *b, uint64_t base, rec_t *r, const void *data)
 
 static void central_entry(buf_t *b, const rec_t *r, size_t *crc_at)
 {
-    size_t nlen = strlen(PREFIX) + strlen(r->name);
+    size_t nlen = strlen(PREFIX) + r->name_len;
     int big_size = r->size >= U32_MAX_FIELD;
     int big_off = r->lho >= U32_MAX_FIELD;
     uint16_t xlen = (uint16_t)((big_size ? 16 : 0) + (big_off ? 8 : 0));
@@ -280,7 +284,7 @@ static void central_entry(buf_t *b, const rec_t *r, size_t *crc_at)
     put32(b, 0644u << 16); /* external attributes: -rw-r--r-- */
     put32(b, big_off ? U32_MAX_FIELD : (uint32_t)r->lho);
     puts_(b, PREFIX);
-    puts_(b, r->name);
+    put(b, r->name, r->name_len);
     if (xlen) {
         put16(b, 0x0001);
         put16(b, xlen);
@@ -327,12 +331,14 @@ int dcpx_archive_build(dcpx_archive *a, char *mem, size_t cap, size_t tail_skip,
     buf_t head = {mem, 0, cap, 0}, tail;
     char sid[48];
     size_t crc_at, size_at, pk_start;
+#define REC(name, size) {name, sizeof(name) - 1, 0, size, 0}
     rec_t r[NREC] = {
-        {"data.pkl", 0, 0, 0},          {".format_version", 0, 1, 0},
-        {".storage_alignment", 0, 2, 0}, {"byteorder", 0, 6, 0},
-        {"data/0", 0, nbytes, 0},        {"version", 0, 2, 0},
-        {".data/serialization_id", 0, 40, 0},
+        REC("data.pkl", 0),          REC(".format_version", 1),
+        REC(".storage_alignment", 2), REC("byteorder", 6),
+        REC("data/0", nbytes),        REC("version", 2),
+        REC(".data/serialization_id", 40),
     };
+#undef REC
 
     memset(a, 0, sizeof(*a));
     if (mem != NULL)
