@@ -140,6 +140,51 @@ class _Buffer:
         self.mm = None
 
 
+_layout_serials = itertools.count(1)
+
+
+class UploadScan:
+    """``_plan.scan(flat, staged_payload)`` for the uploads of one staged
+    layout, without a Python step per staged tensor.  ``views`` (key ->
+    staged tensor) are the same tensors every call (the layout's views of
+    its buffer); the signature and, per staged tensor, a detached alias of
+    its bytes and its storage type are kept from the first call; later
+    calls make only the DLPack exports (in one ``map``) and the non-tensor
+    values' bytes.  The aliases are this object's own, so what a caller
+    does to the staged tensors it was handed (requires_grad_, say) does not
+    change what the kept signature describes.  Recomputed when ``flat``'s
+    keys change."""
+
+    def __init__(self) -> None:
+        self._cache: Optional[tuple] = None
+
+    def __call__(self, flat: dict, views: dict) -> tuple:
+        keys = list(flat)
+        cache = self._cache
+        if cache is None or cache[0] != keys:
+            from . import _plan
+            sig, payloads = _plan.scan(flat, staged_payload)
+            exports = [dlpack_view(views[k].detach()) for k in keys if k in views]
+            stypes = [p[1] for k, p in zip(keys, payloads) if k in views]
+            values = [(i, k) for i, k in enumerate(keys) if k not in views]
+            self._cache = (keys, sig, exports, stypes, values)
+            return sig, payloads
+        _, sig, exports, stypes, values = cache
+        caps = map(_TO_DLPACK, exports) if _TO_DLPACK is not None else exports
+        tensors = list(zip(caps, stypes))
+        if not values:
+            return sig, tensors
+        payloads: list = []
+        taken = 0  # tensors placed so far
+        for i, k in values:  # the tensors before position i, then the value
+            before = i - len(payloads)
+            payloads += tensors[taken:taken + before]
+            taken += before
+            payloads.append(value_payload(flat[k], k))
+        payloads += tensors[taken:]
+        return sig, payloads
+
+
 class _Layout:
     """The staged image of one state-dict structure: the buffer, the staged
     tensors in flat order, and the staged (nested) state dict."""
@@ -172,7 +217,8 @@ class _Layout:
         self.tree = _mirror(state_dict, (), self)
         self.plan(flat)
         self._description: Optional[list] = None
-        self._upload: Optional[tuple] = None  # upload_scan's cache
+        self._upload: Optional[UploadScan] = None
+        self.serial = next(_layout_serials)  # identity for the checkpoint process
         self.same_as: "weakref.WeakSet[_Layout]" = weakref.WeakSet()
 
     def plan(self, flat: dict) -> None:
@@ -204,44 +250,14 @@ class _Layout:
         return self._description
 
     def upload_scan(self) -> Optional[tuple]:
-        """``(signature, payloads)`` of ``self.flat`` for the upload, as
-        ``_plan.scan(self.flat, staged_payload)`` gives them, without a
-        Python step per staged tensor: the signature and, per staged
-        tensor, a detached alias of its bytes in the buffer (dtype and
-        shape fixed with the layout) and its storage type are kept from
-        the first upload of the layout; each upload makes only the DLPack
-        exports (in one ``map``) and the non-tensor values' bytes.  The
-        aliases are the layout's own, so what a caller does to the staged
-        tensors it was handed does not change what the cached signature
-        describes.  None (the caller scans) when a staged value is not a
-        plain tensor (a DTensor's stand-in)."""
-        keys = list(self.flat)
-        cache = self._upload
-        if cache is None or cache[0] != keys:
+        """``(signature, payloads)`` of ``self.flat`` for the upload
+        (``UploadScan``); None (the caller scans) when a staged value is
+        not a plain tensor (a DTensor's stand-in)."""
+        if self._upload is None:
             if any(self.staged[k] is not d for k, d in self.dst.items()):
                 return None
-            from . import _plan
-            sig, payloads = _plan.scan(self.flat, staged_payload)
-            tensor_keys = [k for k in keys if k in self.dst]
-            exports = [dlpack_view(self.dst[k].detach()) for k in tensor_keys]
-            stypes = [p[1] for k, p in zip(keys, payloads) if k in self.dst]
-            values = [(i, k) for i, k in enumerate(keys) if k not in self.dst]
-            self._upload = (keys, sig, exports, stypes, values)
-            return sig, payloads
-        _, sig, exports, stypes, values = cache
-        caps = map(_TO_DLPACK, exports) if _TO_DLPACK is not None else exports
-        tensors = list(zip(caps, stypes))
-        if not values:
-            return sig, tensors
-        payloads: list = []
-        taken = 0  # tensors placed so far
-        for i, k in values:  # the tensors before position i, then the value
-            before = i - len(payloads)
-            payloads += tensors[taken:taken + before]
-            taken += before
-            payloads.append(value_payload(self.flat[k], k))
-        payloads += tensors[taken:]
-        return sig, payloads
+            self._upload = UploadScan()
+        return self._upload(self.flat, self.dst)
 
     def other_values(self) -> dict:
         """This stage's non-tensor values, by key."""
