@@ -7,10 +7,12 @@ and commits checkpoints, so that not even the Python parts of an upload
 The staged bytes are not copied again: a ``DefaultStager`` with
 ``use_shared_memory`` stages into a memfd; its descriptor is passed to the
 worker once per buffer (SCM_RIGHTS over the pipe) and the worker maps the
-same pages and hands views of them to the C writer.  What crosses the pipe
-per save is only the layout (key, offset, dtype, shape), the non-tensor
-values and the writer's settings.  State dicts staged any other way are
-sent over the pipe by value.
+same pages and hands views of them to the C writer.  The layout (key,
+offset, dtype, shape per tensor) and its mappings cross the pipe once per
+layout; the worker keeps its views and their upload plan per buffer
+(``_StagedViews``).  What crosses per save is the non-tensor values and the
+writer's settings, and back the committed metadata as its .metadata bytes.
+State dicts staged any other way are sent over the pipe by value.
 
 Any other StorageWriter or a custom planner goes to the checkpoint process
 pickled, as torch sends them (``run_torch``; with a process group only the
