@@ -97,6 +97,8 @@ class _Worker:
             self.conn.send(self._staged_message(config, layout))
         status, result = self.conn.recv()
         if status == "err":
+            if layout is not None:  # the worker may not have kept the layout: resend it
+                self.sent_layouts.pop(layout.buffer.serial, None)
             raise result
         if status == "ok-encoded":  # .metadata bytes: dcpx's decoder, not pickle's
             from ._gc import paused_gc

@@ -130,3 +130,22 @@ def test_encoded_reply_only_for_what_the_decoder_allows():
     assert _process._encoded(md) is not None
     odd = Metadata(state_dict_metadata={}, planner_data={"k": (("tuple", "key"),)})
     assert _process._encoded(odd) is None
+
+
+def test_a_failed_save_does_not_lose_the_layout(tmp_path, messages):
+    """The first save of a layout fails in the checkpoint process (a writer
+    with overwrite=False over an existing checkpoint); the next save of that
+    layout describes it again and succeeds."""
+    dcpx.save({"x": torch.ones(1)}, checkpoint_id=tmp_path / "taken")
+    with dcpx.DefaultStager(dcpx.StagingOptions(use_async_staging=False)) as stager:
+        sd = _sd(1)
+        resp = dcpx.async_save(sd, storage_writer=dcpx.FileSystemWriter(
+            tmp_path / "taken", overwrite=False), async_stager=stager,
+            async_checkpointer_type=PROCESS)
+        with pytest.raises(Exception, match="already exists"):
+            resp.result()
+        sd = _sd(2)
+        _check(_save(sd, tmp_path / "ok", stager), sd, tmp_path / "ok")
+        sd = _sd(3)
+        _check(_save(sd, tmp_path / "ok2", stager), sd, tmp_path / "ok2")
+    assert [m[1] for m in messages] == [True, True, False]
