@@ -7,7 +7,8 @@ bench_async.py's 20,000 small tensors (143 MiB), printed (no result file).
 * check:    CPU time of ``_C.stage_plain`` checking every tensor with nothing to copy (the
             per-tensor check of a reused layout), min and median of 40 calls.
 * metadata: encoding + decoding one save's Metadata as the checkpoint process's reply: pickle
-            (multiprocessing's ForkingPickler, the old reply) against dcpx's .metadata bytes.
+            (multiprocessing's ForkingPickler, the old reply, decoded with the collector on)
+            against dcpx's .metadata bytes (decoded with it paused), each decoded both ways.
 * saves:    per save, wall and CPU (``time.process_time``, every thread of this process) from the
             call to staging complete and from there to upload complete; a sync and an async
             DefaultStager (THREAD), then a sync one with AsyncCheckpointerType.PROCESS (its
@@ -61,6 +62,7 @@ def metadata(sd, repeat):
     from multiprocessing.reduction import ForkingPickler
 
     from dcpx import _metadata
+    from dcpx._gc import paused_gc
     d = tempfile.mkdtemp()
     try:
         md = dcpx.save(sd, checkpoint_id=d)
@@ -70,7 +72,7 @@ def metadata(sd, repeat):
                             pickle.loads),
                            (".metadata bytes (dcpx)", lambda: _metadata.dumps(md),
                             lambda b: _metadata.loads(b, "reply"))):
-        e, t = [], []
+        e, t, tp = [], [], []
         for _ in range(repeat):
             t0 = perf()
             b = enc()
@@ -78,8 +80,12 @@ def metadata(sd, repeat):
             t0 = perf()
             dec(b)
             t.append(perf() - t0)
-        print(f"metadata reply, {name}: encode {ms(e)} ms, decode {ms(t)} ms (min / median), "
-              f"{len(b) / 1e6:.2f} MB")
+            with paused_gc():
+                t0 = perf()
+                dec(b)
+                tp.append(perf() - t0)
+        print(f"metadata reply, {name}: encode {ms(e)} ms, decode {ms(t)} ms, with the "
+              f"collector paused {ms(tp)} ms (min / median), {len(b) / 1e6:.2f} MB")
 
 
 def saves(sd, repeat):
