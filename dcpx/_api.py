@@ -141,25 +141,27 @@ def fast_path_eligible(storage_writer, planner, no_dist: bool) -> bool:
 
 @checkpoint_errors()  # a failure is a torch CheckpointException (dcpx.errors)
 def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
-               prepare=tensor_payload, before_commit=None) -> Metadata:
+               prepare=tensor_payload, before_commit=None, scanned=None) -> Metadata:
     """Plan, write and commit a flat single-process state dict.  The metadata
     is encoded while the C threads write; the GIL is released while they
     finish.  ``before_commit()``, if given, runs once the data files are
-    written; if it raises, they are removed and nothing is committed."""
+    written; if it raises, they are removed and nothing is committed.
+    ``scanned``: see ``plan_local_save``."""
     try:
         with paused_gc():
-            started = _start_local(writer, flat, mappings, prepare)
+            started = _start_local(writer, flat, mappings, prepare, scanned)
     except BaseException:
         writer._release_tag()
         raise
     return _finish_local(writer, *started, before_commit=before_commit)
 
 
-def _start_local(writer: FileSystemWriter, flat: dict, mappings: dict, prepare) -> tuple:
+def _start_local(writer: FileSystemWriter, flat: dict, mappings: dict, prepare,
+                 scanned=None) -> tuple:
     """save_local's first half (call it with the collector paused): plan,
     start the C writer threads, encode the metadata while they write.
     (Metadata, PendingWrite, encoded metadata)."""
-    metadata, pending = plan_local_save(writer, flat, mappings, prepare)
+    metadata, pending = plan_local_save(writer, flat, mappings, prepare, scanned)
     pending.start()
     try:
         data = writer.encode_metadata(metadata)

@@ -46,6 +46,7 @@ from ._api import (
     save,
     save_local,
 )
+from ._gc import paused_gc
 from ._pending import staged_payload
 from ._writer import FileSystemWriter
 from .errors import checkpoint_future, staging_error
@@ -131,16 +132,19 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
         if sharded is not None:
             return _dist.save(writer, *sharded, group=process_group,
                               use_collectives=use_collectives, prepare=staged_payload)
-    fast = None
+    fast = scanned = None
     if isinstance(stager, DefaultStager) and fast_path_eligible(writer, planner, no_dist):
         fast = stager.flat_of(staged)  # the stager's flat view: no re-flattening
+        if fast is not None:  # and its payloads without a step per tensor
+            with paused_gc():
+                scanned = stager.upload_scan_of(staged)
     if fast is None:
         fast = fast_path_state(staged, writer, planner, no_dist)
     if fast is None:
         return save(staged, storage_writer=writer, planner=planner,
                     process_group=process_group, no_dist=no_dist,
                     use_collectives=use_collectives)
-    return save_local(writer, *fast, prepare=staged_payload)
+    return save_local(writer, *fast, prepare=staged_payload, scanned=scanned)
 
 
 def _upload_during_staging(staging: Future, queued: tuple, stager: DefaultStager, writer):

@@ -341,16 +341,18 @@ def _plan_for(config: tuple, keys: tuple, sig: list, payloads: list,
 
 
 def plan_local_save(writer, flat: dict, mappings: dict,
-                    prepare: Callable = tensor_payload) -> tuple[Metadata, PendingWrite]:
+                    prepare: Callable = tensor_payload,
+                    scanned: Optional[tuple] = None) -> tuple[Metadata, PendingWrite]:
     """Build the metadata and the write job for a flat, single-process state
     dict: the one-rank case of the global plan, reused while the layout
     stays the same.  ``prepare(tensor, key)`` turns each tensor into a
     C-writer payload (the async path passes staged copies).  Returns
-    (Metadata, PendingWrite)."""
+    (Metadata, PendingWrite).  ``scanned``: ``scan(flat, prepare)``'s
+    result when the caller has it (a stager's layout: _Layout.upload_scan)."""
     writer.set_up_storage_writer(True, rank=0)
     writer._prepare_dir()
     prefix = writer._prefix(0)
-    sig, payloads = scan(flat, prepare)
+    sig, payloads = scanned if scanned is not None else scan(flat, prepare)
     config = (bool(writer.single_file_per_rank), max(1, writer.thread_count))
     plan = _plan_for(config, tuple(flat), sig, payloads, mappings)
     if mappings is not plan.mappings and mappings == plan.mappings:

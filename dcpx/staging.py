@@ -49,7 +49,7 @@ from . import _C
 from ._dtypes import _TO_DLPACK, dlpack_export, dlpack_view
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
-from ._pending import check_saveable
+from ._pending import check_saveable, staged_payload, value_payload
 
 
 try:
@@ -140,6 +140,51 @@ class _Buffer:
         self.mm = None
 
 
+_layout_serials = itertools.count(1)
+
+
+class UploadScan:
+    """``_plan.scan(flat, staged_payload)`` for the uploads of one staged
+    layout, without a Python step per staged tensor.  ``views`` (key ->
+    staged tensor) are the same tensors every call (the layout's views of
+    its buffer); the signature and, per staged tensor, a detached alias of
+    its bytes and its storage type are kept from the first call; later
+    calls make only the DLPack exports (in one ``map``) and the non-tensor
+    values' bytes.  The aliases are this object's own, so what a caller
+    does to the staged tensors it was handed (requires_grad_, say) does not
+    change what the kept signature describes.  Recomputed when ``flat``'s
+    keys change."""
+
+    def __init__(self) -> None:
+        self._cache: Optional[tuple] = None
+
+    def __call__(self, flat: dict, views: dict) -> tuple:
+        keys = list(flat)
+        cache = self._cache
+        if cache is None or cache[0] != keys:
+            from . import _plan
+            sig, payloads = _plan.scan(flat, staged_payload)
+            exports = [dlpack_view(views[k].detach()) for k in keys if k in views]
+            stypes = [p[1] for k, p in zip(keys, payloads) if k in views]
+            values = [(i, k) for i, k in enumerate(keys) if k not in views]
+            self._cache = (keys, sig, exports, stypes, values)
+            return sig, payloads
+        _, sig, exports, stypes, values = cache
+        caps = map(_TO_DLPACK, exports) if _TO_DLPACK is not None else exports
+        tensors = list(zip(caps, stypes))
+        if not values:
+            return sig, tensors
+        payloads: list = []
+        taken = 0  # tensors placed so far
+        for i, k in values:  # the tensors before position i, then the value
+            before = i - len(payloads)
+            payloads += tensors[taken:taken + before]
+            taken += before
+            payloads.append(value_payload(flat[k], k))
+        payloads += tensors[taken:]
+        return sig, payloads
+
+
 class _Layout:
     """The staged image of one state-dict structure: the buffer, the staged
     tensors in flat order, and the staged (nested) state dict."""
@@ -164,6 +209,7 @@ class _Layout:
         self.mappings = mappings
         self.keys = list(flat)
         self.root_type = type(state_dict)
+        self.flat_root = _is_flat(state_dict, mappings)
         # The staged state dict mirrors the caller's containers (keys keep
         # their types: optimizer states are keyed by int).  `tree` is its
         # template: every stage returns a fresh copy of its containers
@@ -171,6 +217,8 @@ class _Layout:
         self.tree = _mirror(state_dict, (), self)
         self.plan(flat)
         self._description: Optional[list] = None
+        self._upload: Optional[UploadScan] = None
+        self.serial = next(_layout_serials)  # identity for the checkpoint process
         self.same_as: "weakref.WeakSet[_Layout]" = weakref.WeakSet()
 
     def plan(self, flat: dict) -> None:
@@ -200,6 +248,16 @@ class _Layout:
             self._description = [(k, self.offsets[k], str(v.dtype).removeprefix("torch."),
                                   tuple(v.shape), v.requires_grad) for k, v in self.dst.items()]
         return self._description
+
+    def upload_scan(self) -> Optional[tuple]:
+        """``(signature, payloads)`` of ``self.flat`` for the upload
+        (``UploadScan``); None (the caller scans) when a staged value is
+        not a plain tensor (a DTensor's stand-in)."""
+        if self._upload is None:
+            if any(self.staged[k] is not d for k, d in self.dst.items()):
+                return None
+            self._upload = UploadScan()
+        return self._upload(self.flat, self.dst)
 
     def other_values(self) -> dict:
         """This stage's non-tensor values, by key."""
@@ -310,6 +368,38 @@ def _signature(flat: dict) -> tuple:
     """The layout's identity: a state dict of another signature gets a new
     buffer.  Computed when the fast check of ``DefaultStager._reuse`` fails."""
     return tuple(_entry_signature(k, v) for k, v in flat.items())
+
+
+def _is_flat(state_dict: dict, mappings: dict) -> bool:
+    """Whether flattening ``state_dict`` changed nothing: every key an
+    exact str and every value a leaf at the top level (each mapping is
+    ``(key,)``).  Then a later state dict with the same keys, whose values
+    are still leaves, is its own flat form (``_flat_as_is``)."""
+    if len(mappings) != len(state_dict) or set(map(type, state_dict)) != _STR_ONLY:
+        return False
+    return all(len(m) == 1 for m in mappings.values())
+
+
+_STR_ONLY = frozenset({str})
+
+
+def _flat_as_is(layout: "_Layout", state_dict: dict) -> bool:
+    """``state_dict`` flattens to itself with ``layout``'s keys and
+    mappings (torch's rules), so the stage need not flatten it: its root
+    is of the layout's type, its keys are the layout's (exact strs, in
+    order), and every value in a slot the layout stages as a non-tensor
+    is a leaf.  (The tensor slots are checked by ``_reuse``: a plain slot
+    by exact type, the others as tensors; a tensor is a leaf.)"""
+    if (not layout.flat_root or type(state_dict) is not layout.root_type
+            or len(state_dict) != len(layout.keys)):
+        return False
+    keys = list(state_dict)
+    if keys != layout.keys or set(map(type, keys)) != _STR_ONLY:
+        return False
+    if layout.values:
+        values = list(state_dict.values())
+        return all(_is_terminal(values[i]) for i, _ in layout.values)
+    return True
 
 
 class DefaultStager:
@@ -452,6 +542,14 @@ class DefaultStager:
             return layout.flat, layout.mappings
         return None
 
+    def upload_scan_of(self, staged: dict) -> Optional[tuple]:
+        """``_Layout.upload_scan`` of the layout behind a state dict this
+        stager returned (its last), else None."""
+        layout = self._layout
+        if layout is not None and self._returned is staged:
+            return layout.upload_scan()
+        return None
+
     @staticmethod
     def _caller_streams() -> Optional[dict]:
         """{device index: stream handle} of the calling thread's current
@@ -468,6 +566,19 @@ class DefaultStager:
                early: Optional[Future] = None) -> dict:
         try:
             with paused_gc():
+                layout = self._layout
+                if layout is not None and _flat_as_is(layout, state_dict):
+                    # A flat state dict of the last layout: it is its own
+                    # flat form, its mappings the layout's (the same
+                    # object: _reuse does not compare them).  Anything else
+                    # is flattened after all.
+                    with self._lock:
+                        if self._layout is layout and self._reuse(
+                                layout, state_dict, state_dict, layout.mappings, streams,
+                                early):
+                            self.reuse_count += 1
+                            self.stage_count += 1
+                            return self._returned
                 return self._stage_flat(state_dict, *flatten_state_dict(state_dict),
                                         streams=streams, early=early)
         finally:
@@ -495,7 +606,8 @@ class DefaultStager:
         Only the data pointers are read anew.  False, nothing copied, when
         anything differs: ``_stage_new`` then stages the general way."""
         if (type(state_dict) is not layout.root_type or len(flat) != len(layout.keys)
-                or list(flat) != layout.keys or mappings != layout.mappings):
+                or list(flat) != layout.keys
+                or (mappings is not layout.mappings and mappings != layout.mappings)):
             return False
         values = list(flat.values())
         for i, k, sig in layout.others:
@@ -542,6 +654,7 @@ class DefaultStager:
             layout.mappings = mappings
             layout.keys = list(flat)
             layout.root_type = type(state_dict)
+            layout.flat_root = _is_flat(state_dict, mappings)
             layout.tree = _mirror(state_dict, (), layout)
             layout.plan(flat)
         tensors = []
