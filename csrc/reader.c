@@ -704,6 +704,201 @@ static int bind_dest(rplan *p, Py_ssize_t i, ritem *it, PyObject *values,
     return 1;
 }
 
+/* Allocate a plan's per-item arrays for up to n items. */
+static int plan_alloc(rplan *p, Py_ssize_t n)
+{
+    size_t m = (size_t)(n ? n : 1);
+    p->job.items = PyMem_RawCalloc(m, sizeof(ritem));
+    p->pos = PyMem_RawCalloc(m, sizeof(Py_ssize_t));
+    p->ndim = PyMem_RawCalloc(m, sizeof(int));
+    p->dtype_code = PyMem_RawCalloc(m, sizeof(int));
+    p->itemsize = PyMem_RawCalloc(m, sizeof(uint32_t));
+    p->shape_at = PyMem_RawCalloc(m, sizeof(Py_ssize_t));
+    if (!p->job.items || !p->pos || !p->ndim || !p->dtype_code || !p->itemsize ||
+        !p->shape_at) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* Plan item i (the next one): the archive at (file, off, len) of storage
+ * type stype into values[pos].  -1 error, 0 a destination the plan cannot
+ * take, 1 planned. */
+static int plan_item(rplan *p, Py_ssize_t file, uint64_t off, uint64_t len,
+                     const char *stype, size_t slen, Py_ssize_t pos, PyObject *fv,
+                     PyObject *exporter, PyObject *types, int keep)
+{
+    Py_ssize_t i = p->job.n;
+    ritem *it = &p->job.items[i];
+    p->job.n = i + 1;
+    it->file = file;
+    p->pos[i] = pos;
+    if (it->file < 0 || it->file >= p->job.nfiles || p->pos[i] < 0) {
+        PyErr_SetString(PyExc_IndexError, "dcpx: plan item index out of range");
+        return -1;
+    }
+    if (slen >= sizeof(it->storage_type)) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: storage type name too long");
+        return -1;
+    }
+    memcpy(it->storage_type, stype, slen + 1);
+    it->offset = off;
+    it->length = len;
+    int rc = bind_dest(p, i, it, fv, exporter, types, 1);
+    if (rc > 0 && !keep)
+        dcpx_view_release(&it->dest);
+    return rc;
+}
+
+/* read_plan_md(index, paths, keys, values, exporter, types, allow_partial,
+ *              threads=0, verify=True)
+ *   -> (plan, byte_keys, failures); None when the metadata does not fit a plan (a
+ *   missing key, not one whole chunk, another dtype or shape, a dtype not
+ *   read in place, a value of another type); False when a destination
+ *   cannot be read into in place.  As _readplan.direct_plan with the
+ *   Metadata objects, from md_index's tables (mdindex.c).  With threads >
+ *   0 the plan is also run at once, through the destinations it has just
+ *   taken (failures as read_plan_run; else failures is None). */
+PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"index", "paths", "keys", "values", "exporter", "types",
+                             "allow_partial", "threads", "verify", NULL};
+    PyObject *icap, *paths, *keys, *values, *exporter, *types, *fk = NULL, *fv = NULL;
+    PyObject *out = NULL, *byte_keys = NULL;
+    static PyObject *dtype_name, *shape_name;
+    PyObject *failures = NULL;
+    int partial, nthreads = 0, verify = 1;
+    rplan *p = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO!p|ip:read_plan_md", kwlist, &icap,
+                                     &paths, &keys, &values, &exporter, &PyTuple_Type,
+                                     &types, &partial, &nthreads, &verify))
+        return NULL;
+    if (nthreads < 0 || nthreads > 64) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: threads must be in 0..64");
+        return NULL;
+    }
+    if (dtype_name == NULL && (dtype_name = PyUnicode_InternFromString("dtype")) == NULL)
+        return NULL;
+    if (shape_name == NULL && (shape_name = PyUnicode_InternFromString("shape")) == NULL)
+        return NULL;
+    const dcpx_mdindex *ix = dcpx_mdindex_get(icap);
+    if (ix == NULL)
+        return NULL;
+    p = PyMem_RawCalloc(1, sizeof(rplan));
+    if (p == NULL)
+        return PyErr_NoMemory();
+    if (parse_paths(&p->job, paths) < 0)
+        goto done;
+    if (p->job.nfiles != dcpx_mdindex_nfiles(ix)) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: read_plan_md: one path per file");
+        goto done;
+    }
+    fk = PySequence_Fast(keys, "dcpx: keys must be a sequence");
+    fv = fk ? PySequence_Fast(values, "dcpx: values must be a sequence") : NULL;
+    if (fv == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fk);
+    if (PySequence_Fast_GET_SIZE(fv) != n) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: read_plan_md: one value per key");
+        goto done;
+    }
+    if (plan_alloc(p, n) < 0 || (byte_keys = PyList_New(0)) == NULL)
+        goto done;
+    for (Py_ssize_t pos = 0; pos < n; pos++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(fk, pos);
+        PyObject *v = PySequence_Fast_GET_ITEM(fv, pos);
+        Py_ssize_t klen;
+        const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &klen) : NULL;
+        dcpx_md_tensor t;
+        if (k == NULL) {
+            PyErr_Clear();
+            goto none;
+        }
+        int kind = dcpx_mdindex_find(ix, k, klen, &t);
+        if (kind == 0) {
+            if (partial)
+                continue;
+            goto none;
+        }
+        if (kind == DCPX_MD_BYTES) {
+            if (PyList_Append(byte_keys, key) < 0)
+                goto done;
+            continue;
+        }
+        int typed = 0;
+        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(types); j++)
+            typed |= (PyObject *)Py_TYPE(v) == PyTuple_GET_ITEM(types, j);
+        if (!t.whole || !typed || t.storage_type == NULL)
+            goto none;
+        PyObject *dt = PyObject_GetAttr(v, dtype_name);
+        if (dt == NULL) {
+            PyErr_Clear();
+            goto none;
+        }
+        Py_DECREF(dt);
+        if (dt != t.dtype)
+            goto none;
+        Py_ssize_t i = p->job.n;
+        int rc = plan_item(p, t.file, t.offset, t.length, t.storage_type,
+                           strlen(t.storage_type), pos, fv, exporter, types, nthreads > 0);
+        if (rc < 0)
+            goto done;
+        if (rc > 0 && (p->ndim[i] != t.ndim ||
+                       (t.ndim && memcmp(&p->shape[p->shape_at[i]], t.size,
+                                         sizeof(int64_t) * (size_t)t.ndim) != 0)))
+            goto none;
+        if (rc == 0) {
+            /* The metadata test first, as direct_plan: its shape */
+            PyObject *shape = PyObject_GetAttr(v, shape_name);
+            int same = shape != NULL && PyTuple_Check(shape) &&
+                       PyTuple_GET_SIZE(shape) == t.ndim;
+            for (int d = 0; same && d < t.ndim; d++)
+                same = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) == t.size[d];
+            Py_XDECREF(shape);
+            PyErr_Clear();
+            if (!same)
+                goto none;
+            Py_INCREF(Py_False);
+            out = Py_False;
+            goto done;
+        }
+    }
+    if (make_runs(&p->job) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (nthreads > 0) {              /* run it through the views taken above */
+        p->job.verify = verify;
+        failures = execute(&p->job, nthreads);
+        for (Py_ssize_t i = 0; i < p->job.n; i++)
+            dcpx_view_release(&p->job.items[i].dest);
+        if (failures == NULL)
+            goto done;
+    }
+    else {
+        Py_INCREF(Py_None);
+        failures = Py_None;
+    }
+    PyObject *cap = PyCapsule_New(p, PLAN_NAME, plan_capsule_free);
+    if (cap == NULL)
+        goto done;
+    p = NULL;
+    out = Py_BuildValue("(NOO)", cap, byte_keys, failures);
+    goto done;
+none:
+    Py_INCREF(Py_None);
+    out = Py_None;
+done:
+    Py_XDECREF(failures);
+    Py_XDECREF(byte_keys);
+    Py_XDECREF(fk);
+    Py_XDECREF(fv);
+    free_plan(p);
+    return out;
+}
+
 PyObject *dcpx_read_plan(PyObject *Py_UNUSED(module), PyObject *args)
 {
     PyObject *paths, *items, *values, *exporter, *types, *fi = NULL, *fv = NULL;
