@@ -240,9 +240,10 @@ PyObject *dcpx_md_index_bytes(PyObject *module, PyObject *args);
 PyObject *dcpx_md_index_entries(PyObject *module, PyObject *index);
 PyObject *dcpx_read_plan_md(PyObject *module, PyObject *args, PyObject *kwds);
 const dcpx_mdindex *dcpx_mdindex_get(PyObject *cap);
-/* 0: no such key; DCPX_MD_BYTES; DCPX_MD_TENSOR with *out filled. */
+/* 0: no such key; DCPX_MD_BYTES; DCPX_MD_TENSOR with *out filled.
+ * *cursor (start at 0): where the next key is looked for first. */
 int dcpx_mdindex_find(const dcpx_mdindex *ix, const char *key, Py_ssize_t len,
-                      dcpx_md_tensor *out);
+                      Py_ssize_t *cursor, dcpx_md_tensor *out);
 Py_ssize_t dcpx_mdindex_nfiles(const dcpx_mdindex *ix);
 PyObject *dcpx_dump_metadata(PyObject *module, PyObject *args);
 

@@ -88,6 +88,9 @@ typedef struct {
     uint32_t nmemo, memo_len;
     PyObject *globals;
     int proto;
+    /* per field-name list: the string value last found to be each name
+     * (keys are memoized strings: one compare of indices, mostly) */
+    uint32_t nc_md[5], nc_sm[4], nc_tsm[3], nc_csm[2], nc_mi[3], nc_si[4];
 } vm;
 
 #define GROW(arr, cnt, cap, extra)                                          \
@@ -598,7 +601,9 @@ typedef struct {
     int dtype;
     int ndim;
     uint32_t size_at;        /* into dims */
+    int eligible;            /* one chunk, the whole tensor, not empty */
     Py_ssize_t whole;        /* storage entry of its whole single chunk */
+    Py_ssize_t st_head;      /* its storage entries (a chain), -1 none */
 } mentry;
 
 typedef struct {
@@ -607,6 +612,7 @@ typedef struct {
     uint32_t off_at;
     Py_ssize_t file;
     int64_t offset, length;
+    Py_ssize_t st_next;      /* the chain of its key's entries */
 } mstore;
 
 struct dcpx_mdindex {
@@ -627,9 +633,18 @@ struct dcpx_mdindex {
 
 static uint64_t hash_bytes(const char *s, size_t n, uint64_t h)
 {
-    for (size_t i = 0; i < n; i++)
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {     /* 8 bytes at a time, then the tail */
+        uint64_t w;
+        memcpy(&w, s + i, 8);
+        h = (h ^ w) * 0x9e3779b97f4a7c15ULL;
+        h ^= h >> 31;
+    }
+    for (; i < n; i++)
         h = (h ^ (unsigned char)s[i]) * 0x100000001b3ULL;
-    return h;
+    h ^= h >> 32;
+    h *= 0x9e3779b97f4a7c15ULL;
+    return h ^ (h >> 29);
 }
 
 static void index_free(dcpx_mdindex *ix)
@@ -654,7 +669,7 @@ static void index_capsule_free(PyObject *cap)
 /* Fields of an object's dict state, by name; -1 if a key is not a string,
  * not in names, or repeated.  out[k] = value or -1. */
 static int fields(const vm *m, const val *o, const char *const *names, int nn,
-                  int32_t *out)
+                  int32_t *out, uint32_t *cache)
 {
     for (int k = 0; k < nn; k++)
         out[k] = -1;
@@ -665,10 +680,18 @@ static int fields(const vm *m, const val *o, const char *const *names, int nn,
         return -1;
     for (int32_t s = d->head; s >= 0; s = m->s[s].next) {
         for (uint32_t j = 0; j < m->s[s].count; j += 2) {
-            const val *key = &m->v[m->refs[m->s[s].start + j]];
+            uint32_t kv = m->refs[m->s[s].start + j];
+            const val *key = &m->v[kv];
             int k = 0;
-            while (k < nn && !str_is(m, key, names[k]))
+            while (k < nn && cache[k] != kv)
                 k++;
+            if (k == nn) {
+                k = 0;
+                while (k < nn && !str_is(m, key, names[k]))
+                    k++;
+                if (k < nn)
+                    cache[k] = kv;
+            }
             if (k == nn || out[k] >= 0)
                 return -1;
             out[k] = (int32_t)m->refs[m->s[s].start + j + 1];
@@ -680,7 +703,7 @@ static int fields(const vm *m, const val *o, const char *const *names, int nn,
 static int mi_fields(const vm *m, const val *x, int32_t *f)
 {
     static const char *const names[] = {"fqn", "offset", "index"};
-    if (fields(m, x, names, 3, f) < 0 || f[0] < 0 || m->v[f[0]].tag != V_STR)
+    if (fields(m, x, names, 3, f, (uint32_t *)m->nc_mi) < 0 || f[0] < 0 || m->v[f[0]].tag != V_STR)
         return -1;
     if (f[1] >= 0 && m->v[f[1]].tag != V_NONE && m->v[f[1]].tag != V_SIZE)
         return -1;
@@ -748,7 +771,7 @@ static int tensor_entry(const vm *m, dcpx_mdindex *ix, const val *o, mentry *me)
     static const char *const cnames[] = {"offsets", "sizes"};
     int32_t f[3], cf[2];
     int rc;
-    if (!o->frozen || fields(m, o, tnames, 3, f) < 0 || f[0] < 0 || f[1] < 0 || f[2] < 0)
+    if (!o->frozen || fields(m, o, tnames, 3, f, (uint32_t *)m->nc_tsm) < 0 || f[0] < 0 || f[1] < 0 || f[2] < 0)
         return -1;
     const val *pr = &m->v[f[0]], *size = &m->v[f[1]], *chunks = &m->v[f[2]];
     if (pr->tag != V_OBJ || pr->kind != G_TP || !pr->frozen || size->tag != V_SIZE ||
@@ -779,7 +802,7 @@ static int tensor_entry(const vm *m, dcpx_mdindex *ix, const val *o, mentry *me)
         for (uint32_t j = 0; j < m->s[s].count; j++) {
             const val *c = &m->v[m->refs[m->s[s].start + j]];
             if (c->tag != V_OBJ || c->kind != G_CSM || !c->frozen ||
-                fields(m, c, cnames, 2, cf) < 0 || cf[0] < 0 || cf[1] < 0 ||
+                fields(m, c, cnames, 2, cf, (uint32_t *)m->nc_csm) < 0 || cf[0] < 0 || cf[1] < 0 ||
                 m->v[cf[0]].tag != V_SIZE || m->v[cf[1]].tag != V_SIZE)
                 return -1;
             int64_t ob[64], sb[64];
@@ -807,7 +830,33 @@ static int tensor_entry(const vm *m, dcpx_mdindex *ix, const val *o, mentry *me)
         }
     }
     /* whole_chunks: one chunk, the whole tensor, not empty */
-    me->whole = (chunks->count == 1 && whole == 1 && numel > 0) ? -2 : -1;
+    me->eligible = chunks->count == 1 && whole == 1 && numel > 0;
+    return 0;
+}
+
+static int same_offset(const dcpx_mdindex *ix, const mstore *a, const mstore *b)
+{
+    return a->off_ndim == b->off_ndim &&
+           (a->off_ndim <= 0 || memcmp(ix->dims + a->off_at, ix->dims + b->off_at,
+                                       sizeof(int64_t) * (size_t)a->off_ndim) == 0);
+}
+
+/* Add storage entry k (of a key not in the state dict) to the set `seen`
+ * (size slots, a power of two, -1 when free); -1 if its (fqn, offset) is
+ * there already. */
+static int seen_insert(const dcpx_mdindex *ix, Py_ssize_t *seen, size_t size, Py_ssize_t k)
+{
+    const mstore *se = &ix->st[k];
+    uint64_t h = hash_bytes(ix->p + se->fqn_off, se->fqn_len, 0xcbf29ce484222325ULL);
+    size_t b = (size_t)h & (size - 1);
+    for (; seen[b] >= 0; b = (b + 1) & (size - 1)) {
+        const mstore *o = &ix->st[seen[b]];
+        if (o->fqn_len == se->fqn_len &&
+            memcmp(ix->p + o->fqn_off, ix->p + se->fqn_off, se->fqn_len) == 0 &&
+            same_offset(ix, o, se))
+            return -1;
+    }
+    seen[b] = k;
     return 0;
 }
 
@@ -821,7 +870,7 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
     int rc;
     const val *md = &m->v[top];
     if (md->tag != V_OBJ || md->kind != G_METADATA || !md->frozen ||
-        fields(m, md, mnames, 5, f) < 0 || f[0] < 0 || f[2] < 0)
+        fields(m, md, mnames, 5, f, (uint32_t *)m->nc_md) < 0 || f[0] < 0 || f[2] < 0)
         return -1;
     const val *sdm = &m->v[f[0]], *sd = &m->v[f[2]];
     if (sdm->tag != V_DICT || sd->tag != V_DICT)
@@ -831,7 +880,7 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
         static const char *const smn[] = {"checkpoint_id", "save_id", "load_id", "modules"};
         int32_t sf[4];
         if (sm->tag != V_NONE &&
-            (sm->tag != V_OBJ || sm->kind != G_SMETA || fields(m, sm, smn, 4, sf) < 0))
+            (sm->tag != V_OBJ || sm->kind != G_SMETA || fields(m, sm, smn, 4, sf, (uint32_t *)m->nc_sm) < 0))
             return -1;
     }
     /* the state dict metadata, and its table by key */
@@ -856,6 +905,7 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
             me->fqn_off = (uint32_t)key->num;
             me->fqn_len = key->len;
             me->whole = -1;
+            me->st_head = -1;
             if (o->kind == G_BSM) {
                 if (o->state >= 0 && m->v[o->state].count != 0)
                     return -1;
@@ -864,12 +914,12 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
             else if (o->kind != G_TSM || (rc = tensor_entry(m, ix, o, me)) < 0) {
                 return o->kind != G_TSM ? -1 : rc;
             }
-            if (find_entry(ix, ix->p + me->fqn_off, me->fqn_len) >= 0)
-                return -1;       /* a repeated key */
             size_t h = (size_t)hash_bytes(ix->p + me->fqn_off, me->fqn_len,
                                           0xcbf29ce484222325ULL) & ix->tmask;
-            while (ix->table[h] >= 0)
-                h = (h + 1) & ix->tmask;
+            for (Py_ssize_t c; (c = ix->table[h]) >= 0; h = (h + 1) & ix->tmask)
+                if (ix->e[c].fqn_len == me->fqn_len &&
+                    memcmp(ix->p + ix->e[c].fqn_off, ix->p + me->fqn_off, me->fqn_len) == 0)
+                    return -1;   /* a repeated key */
             ix->table[h] = ne;
         }
     }
@@ -879,13 +929,10 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
     size_t ssize = 16;
     while (ssize < 2 * (size_t)ix->nst + 2)
         ssize *= 2;
-    Py_ssize_t *seen = malloc(ssize * sizeof(Py_ssize_t));   /* (fqn, offset) */
-    Py_ssize_t ftab[64];                                      /* files, by name */
-    if (ix->st == NULL || seen == NULL) {
-        free(seen);
+    Py_ssize_t *seen = NULL;     /* (fqn, offset) of keys not in the state dict */
+    Py_ssize_t ftab[64];         /* files, by name */
+    if (ix->st == NULL)
         return -2;
-    }
-    memset(seen, 0xff, ssize * sizeof(Py_ssize_t));
     memset(ftab, 0xff, sizeof(ftab));
     rc = 0;
     Py_ssize_t ns = 0;
@@ -908,7 +955,7 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
                 len = &m->v[item(m, a, 2)];
             }
             else {
-                if (fields(m, info, snames, 4, sf) < 0 || sf[0] < 0 || sf[1] < 0 ||
+                if (fields(m, info, snames, 4, sf, (uint32_t *)m->nc_si) < 0 || sf[0] < 0 || sf[1] < 0 ||
                     sf[2] < 0 || (sf[3] >= 0 && m->v[sf[3]].tag != V_NONE)) {
                     rc = -1;
                     break;
@@ -938,26 +985,42 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
                 break;
             se->offset = off->num;
             se->length = len->num;
+            /* its key's entry: the one at the same position when both
+             * name the same (memoized) string, as dcpx and torch write */
+            Py_ssize_t e = ns < ix->ne && ix->e[ns].fqn_off == se->fqn_off &&
+                                   ix->e[ns].fqn_len == se->fqn_len
+                               ? ns
+                               : find_entry(ix, ix->p + se->fqn_off, se->fqn_len);
             /* a repeated (fqn, offset) key: leave it to Python */
-            uint64_t h = hash_bytes(ix->p + se->fqn_off, se->fqn_len, 0xcbf29ce484222325ULL);
-            if (se->off_ndim >= 0)
-                h = hash_bytes((const char *)(ix->dims + se->off_at),
-                               sizeof(int64_t) * (size_t)se->off_ndim, h ^ 1);
-            size_t b = (size_t)h & (ssize - 1);
-            for (; seen[b] >= 0; b = (b + 1) & (ssize - 1)) {
-                const mstore *o2 = &ix->st[seen[b]];
-                if (o2->fqn_len == se->fqn_len && o2->off_ndim == se->off_ndim &&
-                    memcmp(ix->p + o2->fqn_off, ix->p + se->fqn_off, se->fqn_len) == 0 &&
-                    (se->off_ndim <= 0 ||
-                     memcmp(ix->dims + o2->off_at, ix->dims + se->off_at,
-                            sizeof(int64_t) * (size_t)se->off_ndim) == 0)) {
-                    rc = -1;
-                    break;
+            if (e >= 0) {
+                for (Py_ssize_t o = ix->e[e].st_head; rc == 0 && o >= 0; o = ix->st[o].st_next)
+                    if (same_offset(ix, &ix->st[o], se))
+                        rc = -1;
+                se->st_next = ix->e[e].st_head;
+                ix->e[e].st_head = ns;
+            }
+            else {
+                if (seen == NULL) {
+                    if ((seen = malloc(ssize * sizeof(Py_ssize_t))) == NULL) {
+                        rc = -2;
+                        break;
+                    }
+                    memset(seen, 0xff, ssize * sizeof(Py_ssize_t));
                 }
+                rc = seen_insert(ix, seen, ssize, ns);
             }
             if (rc < 0)
                 break;
-            seen[b] = ns;
+            /* whole_chunks: the last entry whose offset is its chunk's (all
+             * zeros, or None for a 0-d tensor) */
+            if (e >= 0 && ix->e[e].eligible) {
+                mentry *me = &ix->e[e];
+                int match = se->off_ndim < 0 ? me->ndim == 0 : se->off_ndim == me->ndim;
+                for (int d = 0; match && d < se->off_ndim; d++)
+                    match = ix->dims[se->off_at + d] == 0;
+                if (match)
+                    me->whole = ns;
+            }
             /* its file */
             size_t fh = (size_t)hash_bytes(rp, rel->len, 0xcbf29ce484222325ULL) & 63;
             Py_ssize_t fi = -1;
@@ -993,26 +1056,7 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
         }
     }
     free(seen);
-    if (rc < 0)
-        return rc;
-    /* whole_chunks: per key, the last entry whose offset is its chunk's
-     * (all zeros, or None for a 0-d tensor) */
-    for (Py_ssize_t k = 0; k < ix->nst; k++) {
-        const mstore *se = &ix->st[k];
-        Py_ssize_t e = find_entry(ix, ix->p + se->fqn_off, se->fqn_len);
-        if (e < 0 || ix->e[e].kind != DCPX_MD_TENSOR || ix->e[e].whole == -1)
-            continue;
-        mentry *me = &ix->e[e];
-        int match = se->off_ndim < 0 ? me->ndim == 0 : se->off_ndim == me->ndim;
-        for (int d = 0; match && d < se->off_ndim; d++)
-            match = ix->dims[se->off_at + d] == 0;
-        if (match)
-            me->whole = k;
-    }
-    for (Py_ssize_t e = 0; e < ix->ne; e++)
-        if (ix->e[e].whole == -2)
-            ix->e[e].whole = -1;     /* a whole chunk without its entry */
-    return 0;
+    return rc;
 }
 
 PyObject *dcpx_md_index(PyObject *Py_UNUSED(module), PyObject *args)
@@ -1031,10 +1075,23 @@ PyObject *dcpx_md_index(PyObject *Py_UNUSED(module), PyObject *args)
         return NULL;
     }
     memset(&m, 0, sizeof(m));
+    memset(m.nc_md, 0xff, sizeof(m.nc_md));
+    memset(m.nc_sm, 0xff, sizeof(m.nc_sm));
+    memset(m.nc_tsm, 0xff, sizeof(m.nc_tsm));
+    memset(m.nc_csm, 0xff, sizeof(m.nc_csm));
+    memset(m.nc_mi, 0xff, sizeof(m.nc_mi));
+    memset(m.nc_si, 0xff, sizeof(m.nc_si));
     m.p = (const unsigned char *)PyBytes_AS_STRING(data);
     m.n = (size_t)body;
     m.globals = globals;
-    rc = run(&m);
+    /* every value takes at least one opcode byte, most several */
+    m.cv = (uint32_t)(m.n / 6 + 64);
+    m.cr = (uint32_t)(m.n / 8 + 64);
+    m.cs = (uint32_t)(m.n / 16 + 64);
+    m.v = malloc(sizeof(val) * m.cv);
+    m.refs = malloc(sizeof(uint32_t) * m.cr);
+    m.s = malloc(sizeof(seg) * m.cs);
+    rc = m.v && m.refs && m.s ? run(&m) : -2;
     if (rc == 0) {
         ix = calloc(1, sizeof(*ix));
         if (ix == NULL) {
@@ -1209,11 +1266,17 @@ const dcpx_mdindex *dcpx_mdindex_get(PyObject *cap)
 }
 
 int dcpx_mdindex_find(const dcpx_mdindex *ix, const char *key, Py_ssize_t len,
-                      dcpx_md_tensor *out)
+                      Py_ssize_t *cursor, dcpx_md_tensor *out)
 {
-    Py_ssize_t e = find_entry(ix, key, (size_t)len);
+    /* the entry after the last one found, when the keys come in the
+     * checkpoint's order (a load into the state dict that was saved) */
+    Py_ssize_t e = *cursor;
+    if (!(e < ix->ne && ix->e[e].fqn_len == (size_t)len &&
+          memcmp(ix->p + ix->e[e].fqn_off, key, (size_t)len) == 0))
+        e = find_entry(ix, key, (size_t)len);
     if (e < 0)
         return 0;
+    *cursor = e + 1;
     const mentry *me = &ix->e[e];
     if (me->kind == DCPX_MD_BYTES)
         return DCPX_MD_BYTES;

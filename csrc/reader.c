@@ -769,6 +769,7 @@ PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObjec
     static PyObject *dtype_name, *shape_name;
     PyObject *failures = NULL;
     int partial, nthreads = 0, verify = 1;
+    Py_ssize_t cursor = 0;
     rplan *p = NULL;
 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO!p|ip:read_plan_md", kwlist, &icap,
@@ -816,7 +817,7 @@ PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObjec
             PyErr_Clear();
             goto none;
         }
-        int kind = dcpx_mdindex_find(ix, k, klen, &t);
+        int kind = dcpx_mdindex_find(ix, k, klen, &cursor, &t);
         if (kind == 0) {
             if (partial)
                 continue;
