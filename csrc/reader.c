@@ -657,7 +657,7 @@ static int bind_dest(rplan *p, Py_ssize_t i, ritem *it, PyObject *values,
     /* The exporter shares a tensor's memory whatever its neg / conj bit
      * says; such a tensor must take the torch path. */
     if (!typed || !method_false(v, is_neg) ||
-        ((record || p->dtype_code[i] == 5 /* kDLComplex */) && !method_false(v, is_conj)))
+        (!record && p->dtype_code[i] == 5 /* kDLComplex */ && !method_false(v, is_conj)))
         return 0;
     PyObject *cap = PyObject_CallOneArg(exporter, v);
     if (cap == NULL) {
@@ -671,6 +671,11 @@ static int bind_dest(rplan *p, Py_ssize_t i, ritem *it, PyObject *values,
         return 0;
     }
     const dcpx_view *d = &it->dest;
+    /* read_plan: the dtype is known now (only a complex tensor has a conj bit) */
+    if (record && d->dtype_code == 5 && !method_false(v, is_conj)) {
+        dcpx_view_release(&it->dest);
+        return 0;
+    }
     if (record && d->ndim <= 16) {   /* read_plan: what later runs require */
         if (p->shape_len + (size_t)d->ndim > p->shape_cap) {
             size_t cap = 2 * p->shape_cap + 64;

@@ -440,3 +440,34 @@ def test_load_into_other_layouts_after_an_indexed_load(tmp_path):
     reader = dcpx.FileSystemReader(path)
     dcpx.load({"k0": torch.zeros(4, 3)}, storage_reader=reader)
     assert set(k.fqn for k in reader.storage_data) == set(sd)
+
+
+@pytest.mark.parametrize("which", ["conj", "neg", "both"])
+def test_fresh_load_into_conj_and_neg_views(tmp_path, which):
+    """Destinations with the conj or neg bit (which DLPack exports without
+    saying) are never read into through the plan: a fresh load gives what
+    torch's load gives."""
+    g = torch.Generator().manual_seed(3)
+    sd = {"a": torch.randn(4, 3, generator=g),
+          "c": torch.randn(5, generator=g, dtype=torch.complex64),
+          "r": torch.randn(6, generator=g)}
+    path = tmp_path / "c"
+    dcpx.save(sd, checkpoint_id=path)
+
+    def dest():
+        d = {"a": torch.zeros(4, 3), "c": torch.zeros(5, dtype=torch.complex64),
+             "r": torch.zeros(6)}
+        if which in ("conj", "both"):
+            d["c"] = torch.zeros(5, dtype=torch.complex64).conj()
+        if which in ("neg", "both"):
+            d["r"] = torch._neg_view(torch.zeros(6))
+        return d
+    mine, theirs = dest(), dest()
+    dcpx.load(mine, checkpoint_id=path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.load(theirs, checkpoint_id=path, no_dist=True)
+    for k in sd:
+        assert mine[k].is_conj() == theirs[k].is_conj() and mine[k].is_neg() == theirs[k].is_neg()
+        assert torch.equal(mine[k].resolve_conj().resolve_neg(), sd[k]), k
+        assert torch.equal(theirs[k].resolve_conj().resolve_neg(), sd[k]), k
