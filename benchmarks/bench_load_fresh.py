@@ -3,7 +3,8 @@
 read-plan cache (dcpx/_readplan.py) does not hit and the load decodes and checks its
 ``.metadata``, plans, and reads.  bench_load.py measures loads 2..N of one checkpoint instead.
 
-COUNT checkpoints of one state dict (bench_io.py's 20,000-tensor mix by default) are saved once.
+COUNT checkpoints of one state dict (bench_io.py's 20,000-tensor mix by default; ``--tiny``:
+bench_load.py's 100,000 4-element tensors) are saved once.
 Each round starts one child process per implementation (``--impl NAME=DIR``: DIR goes first on
 PYTHONPATH; the implementations alternate, so all see the same machine load); a child loads
 checkpoint 0 (imports and first-use costs, not timed), then each of checkpoints 1..COUNT-1 once,
@@ -66,6 +67,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impl", action="append", default=[], help="NAME=DIR (repeatable)")
     p.add_argument("--tensors", type=int, default=20000)
+    p.add_argument("--tiny", action="store_true",
+                   help="bench_load.py's 100,000 4-element tensors instead (--tensors ignored)")
     p.add_argument("--count", type=int, default=6, help="checkpoints (the first one is not timed)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default=None)
@@ -79,10 +82,11 @@ def main():
 
     import dcpx
     from bench_io import make_small
+    from bench_load import make_tiny
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; torch {torch.__version__}")
     workdir = tempfile.mkdtemp(prefix="dcpx-bench-fresh-", dir=args.dir)
     try:
-        sd = make_small(args.tensors)
+        sd = make_tiny() if args.tiny else make_small(args.tensors)
         for i in range(args.count):
             dcpx.save(sd, checkpoint_id=os.path.join(workdir, f"c{i}"))
         torch.save(sd, os.path.join(workdir, "sd.pt"))

@@ -471,3 +471,65 @@ def test_fresh_load_into_conj_and_neg_views(tmp_path, which):
         assert mine[k].is_conj() == theirs[k].is_conj() and mine[k].is_neg() == theirs[k].is_neg()
         assert torch.equal(mine[k].resolve_conj().resolve_neg(), sd[k]), k
         assert torch.equal(theirs[k].resolve_conj().resolve_neg(), sd[k]), k
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=st.lists(st.tuples(shapes, st.sampled_from(_DTYPES[:6])), min_size=1, max_size=8),
+       data=st.data())
+def test_fresh_loads_into_other_layouts_match_torch(spec, data):
+    """Fresh checkpoints loaded into destinations that differ from what was
+    saved: a subset of the keys, a key the checkpoint lacks (with and
+    without allow_partial_load), another dtype (a cast), another shape (an
+    error), a non-contiguous view.  dcpx raises exactly when torch raises,
+    and otherwise leaves the same values."""
+    import tempfile
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    sd = {f"p{i}.w": _tensor(shape, dtype, i) for i, (shape, dtype) in enumerate(spec)}
+    sd["n"] = 3
+    with tempfile.TemporaryDirectory() as path:
+        dcpx.save(sd, checkpoint_id=path)
+        keys = data.draw(st.lists(st.sampled_from(sorted(sd)), min_size=1, unique=True))
+        changes = data.draw(st.lists(st.sampled_from(["none", "cast", "shape", "strided"]),
+                                     min_size=len(keys), max_size=len(keys)))
+        extra = data.draw(st.booleans())
+        partial = data.draw(st.booleans())
+
+        def dest():
+            d = {}
+            for k, how in zip(keys, changes):
+                v = sd[k]
+                if not isinstance(v, torch.Tensor):
+                    d[k] = 0
+                elif how == "cast" and v.dtype.is_floating_point:
+                    d[k] = torch.zeros(v.shape, dtype=torch.float64)
+                elif how == "shape":
+                    d[k] = torch.zeros((*v.shape, 2), dtype=v.dtype)
+                elif how == "strided" and v.dim() >= 1:
+                    d[k] = torch.zeros((*v.shape, 2), dtype=v.dtype)[..., 0]
+                else:
+                    d[k] = torch.zeros(v.shape, dtype=v.dtype)
+            if extra:
+                d["absent.w"] = torch.zeros(2)
+            return d
+
+        outcome = []
+        for lib in (dcpx, tdcp):
+            _readplan.clear()
+            d = dest()
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    lib.load(d, checkpoint_id=path,
+                             planner=DefaultLoadPlanner(allow_partial_load=partial),
+                             **({"no_dist": True} if lib is tdcp else {}))
+                outcome.append(d)
+            except (Exception, tdcp.api.CheckpointException):  # a BaseException
+                outcome.append(None)  # only whether each raises is compared
+        mine, theirs = outcome
+        assert (mine is None) == (theirs is None), (keys, changes, extra, partial)
+        if mine is not None:
+            for k in mine:
+                if isinstance(mine[k], torch.Tensor):
+                    assert_bit_equal(mine[k], theirs[k], k)
+                else:
+                    assert mine[k] == theirs[k], k
