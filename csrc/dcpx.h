@@ -233,6 +233,8 @@ typedef struct {
     uint64_t offset, length;
     PyObject *dtype;          /* borrowed torch.dtype */
     const char *storage_type; /* NULL: not read in place */
+    Py_ssize_t entry;         /* that chunk's storage entry's index */
+    Py_ssize_t pos;           /* for the caller */
 } dcpx_md_tensor;
 PyObject *dcpx_md_index(PyObject *module, PyObject *args);
 PyObject *dcpx_md_index_check(PyObject *module, PyObject *args);
@@ -245,6 +247,7 @@ const dcpx_mdindex *dcpx_mdindex_get(PyObject *cap);
 int dcpx_mdindex_find(const dcpx_mdindex *ix, const char *key, Py_ssize_t len,
                       Py_ssize_t *cursor, dcpx_md_tensor *out);
 Py_ssize_t dcpx_mdindex_nfiles(const dcpx_mdindex *ix);
+Py_ssize_t dcpx_mdindex_nstorage(const dcpx_mdindex *ix);
 PyObject *dcpx_dump_metadata(PyObject *module, PyObject *args);
 
 /* Run fn(arg) on nthreads threads (at most 64): nthreads - 1 new ones plus

@@ -1283,6 +1283,7 @@ int dcpx_mdindex_find(const dcpx_mdindex *ix, const char *key, Py_ssize_t len,
     out->ndim = me->ndim;
     out->size = ix->dims + me->size_at;
     out->whole = me->whole >= 0;
+    out->entry = me->whole;
     if (out->whole) {
         const mstore *se = &ix->st[me->whole];
         out->file = se->file;
@@ -1301,4 +1302,9 @@ int dcpx_mdindex_find(const dcpx_mdindex *ix, const char *key, Py_ssize_t len,
 Py_ssize_t dcpx_mdindex_nfiles(const dcpx_mdindex *ix)
 {
     return ix->nfiles;
+}
+
+Py_ssize_t dcpx_mdindex_nstorage(const dcpx_mdindex *ix)
+{
+    return ix->nst;
 }

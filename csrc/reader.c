@@ -382,15 +382,18 @@ static int okey_cmp(const void *pa, const void *pb)
 static int make_runs(rjob *job)
 {
     Py_ssize_t n = job->n;
-    job->order = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    int given = job->order != NULL;  /* a permutation of 0 .. n - 1 from the caller */
+    if (!given)
+        job->order = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
     job->runs = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n + 1));
     if (job->order == NULL || job->runs == NULL)
         return -1;
     int sorted = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        job->order[i] = i;
+        if (!given)
+            job->order[i] = i;
         if (i > 0) {
-            const ritem *p = &job->items[i - 1], *q = &job->items[i];
+            const ritem *p = &job->items[job->order[i - 1]], *q = &job->items[job->order[i]];
             if (q->file < p->file || (q->file == p->file && q->offset < p->offset))
                 sorted = 0;
         }
@@ -727,16 +730,14 @@ static int plan_alloc(rplan *p, Py_ssize_t n)
     return 0;
 }
 
-/* Plan item i (the next one): the archive at (file, off, len) of storage
- * type stype into values[pos].  -1 error, 0 a destination the plan cannot
- * take, 1 planned. */
-static int plan_item(rplan *p, Py_ssize_t file, uint64_t off, uint64_t len,
+/* Plan item i: the archive at (file, off, len) of storage type stype
+ * into values[pos]; its view kept if `keep`.  -1 error, 0 a destination
+ * the plan cannot take, 1 planned. */
+static int plan_item(rplan *p, Py_ssize_t i, Py_ssize_t file, uint64_t off, uint64_t len,
                      const char *stype, size_t slen, Py_ssize_t pos, PyObject *fv,
                      PyObject *exporter, PyObject *types, int keep)
 {
-    Py_ssize_t i = p->job.n;
     ritem *it = &p->job.items[i];
-    p->job.n = i + 1;
     it->file = file;
     p->pos[i] = pos;
     if (it->file < 0 || it->file >= p->job.nfiles || p->pos[i] < 0) {
@@ -773,8 +774,9 @@ PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObjec
     PyObject *out = NULL, *byte_keys = NULL;
     static PyObject *dtype_name, *shape_name;
     PyObject *failures = NULL;
-    int partial, nthreads = 0, verify = 1;
-    Py_ssize_t cursor = 0;
+    int partial, nthreads = 0, verify = 1, refused = 0;
+    Py_ssize_t cursor = 0, ni = 0, *by_entry = NULL, *order = NULL;
+    dcpx_md_tensor *md = NULL;
     rplan *p = NULL;
 
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO!p|ip:read_plan_md", kwlist, &icap,
@@ -805,24 +807,32 @@ PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObjec
     fv = fk ? PySequence_Fast(values, "dcpx: values must be a sequence") : NULL;
     if (fv == NULL)
         goto done;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fk);
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fk), nst = dcpx_mdindex_nstorage(ix);
     if (PySequence_Fast_GET_SIZE(fv) != n) {
         PyErr_SetString(PyExc_ValueError, "dcpx: read_plan_md: one value per key");
         goto done;
     }
+    md = PyMem_RawMalloc(sizeof(dcpx_md_tensor) * (size_t)(n ? n : 1));
+    by_entry = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(nst ? nst : 1));
+    order = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    if (md == NULL || by_entry == NULL || order == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     if (plan_alloc(p, n) < 0 || (byte_keys = PyList_New(0)) == NULL)
         goto done;
+    /* 1. The keys, in the state dict's order, against the metadata only
+     * (as direct_plan's loop; a missing key or a tensor not saved whole
+     * makes it None whatever the destinations are). */
     for (Py_ssize_t pos = 0; pos < n; pos++) {
         PyObject *key = PySequence_Fast_GET_ITEM(fk, pos);
-        PyObject *v = PySequence_Fast_GET_ITEM(fv, pos);
         Py_ssize_t klen;
         const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &klen) : NULL;
-        dcpx_md_tensor t;
         if (k == NULL) {
             PyErr_Clear();
             goto none;
         }
-        int kind = dcpx_mdindex_find(ix, k, klen, &cursor, &t);
+        int kind = dcpx_mdindex_find(ix, k, klen, &cursor, &md[ni]);
         if (kind == 0) {
             if (partial)
                 continue;
@@ -833,10 +843,36 @@ PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObjec
                 goto done;
             continue;
         }
+        if (!md[ni].whole || md[ni].storage_type == NULL || md[ni].entry >= nst)
+            goto none;
+        md[ni].pos = pos;
+        ni++;
+    }
+    /* 2. The destinations, in the order of their archives in the files
+     * (each storage entry is the whole chunk of one key at most): that is
+     * the order their tensors were made in, as a rule, and the reads' own
+     * order.  None if any does not match the metadata (its type, dtype,
+     * shape), else False if any cannot be read into in place, as
+     * direct_plan + read_plan decide. */
+    for (Py_ssize_t e = 0; e < nst; e++)
+        by_entry[e] = -1;
+    for (Py_ssize_t i = 0; i < ni; i++)
+        by_entry[md[i].entry] = i;
+    Py_ssize_t no = 0;
+    for (Py_ssize_t e = 0; e < nst; e++)
+        if (by_entry[e] >= 0)
+            order[no++] = by_entry[e];
+    if (no != ni)    /* two keys with one entry (a key twice): not planned */
+        goto none;
+    p->job.n = ni;   /* items 0 .. ni - 1, the tensor keys in order */
+    for (Py_ssize_t j = 0; j < ni; j++) {
+        Py_ssize_t i = order[j];
+        const dcpx_md_tensor *t = &md[i];
+        PyObject *v = PySequence_Fast_GET_ITEM(fv, t->pos);
         int typed = 0;
-        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(types); j++)
-            typed |= (PyObject *)Py_TYPE(v) == PyTuple_GET_ITEM(types, j);
-        if (!t.whole || !typed || t.storage_type == NULL)
+        for (Py_ssize_t q = 0; q < PyTuple_GET_SIZE(types); q++)
+            typed |= (PyObject *)Py_TYPE(v) == PyTuple_GET_ITEM(types, q);
+        if (!typed)
             goto none;
         PyObject *dt = PyObject_GetAttr(v, dtype_name);
         if (dt == NULL) {
@@ -844,33 +880,40 @@ PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObjec
             goto none;
         }
         Py_DECREF(dt);
-        if (dt != t.dtype)
+        if (dt != t->dtype)
             goto none;
-        Py_ssize_t i = p->job.n;
-        int rc = plan_item(p, t.file, t.offset, t.length, t.storage_type,
-                           strlen(t.storage_type), pos, fv, exporter, types, nthreads > 0);
+        int rc = plan_item(p, i, t->file, t->offset, t->length, t->storage_type,
+                           strlen(t->storage_type), t->pos, fv, exporter, types,
+                           nthreads > 0);
         if (rc < 0)
             goto done;
-        if (rc > 0 && (p->ndim[i] != t.ndim ||
-                       (t.ndim && memcmp(&p->shape[p->shape_at[i]], t.size,
-                                         sizeof(int64_t) * (size_t)t.ndim) != 0)))
+        if (rc > 0 && (p->ndim[i] != t->ndim ||
+                       (t->ndim && memcmp(&p->shape[p->shape_at[i]], t->size,
+                                          sizeof(int64_t) * (size_t)t->ndim) != 0)))
             goto none;
         if (rc == 0) {
-            /* The metadata test first, as direct_plan: its shape */
+            /* refused: still None if its shape differs from the metadata */
             PyObject *shape = PyObject_GetAttr(v, shape_name);
             int same = shape != NULL && PyTuple_Check(shape) &&
-                       PyTuple_GET_SIZE(shape) == t.ndim;
-            for (int d = 0; same && d < t.ndim; d++)
-                same = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) == t.size[d];
+                       PyTuple_GET_SIZE(shape) == t->ndim;
+            for (int d = 0; same && d < t->ndim; d++)
+                same = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) == t->size[d];
             Py_XDECREF(shape);
             PyErr_Clear();
             if (!same)
                 goto none;
-            Py_INCREF(Py_False);
-            out = Py_False;
-            goto done;
+            refused = 1;
         }
     }
+    if (refused) {
+        Py_INCREF(Py_False);
+        out = Py_False;
+        goto done;
+    }
+    /* the runs: in the order just used when it is the files' order
+     * (make_runs checks, else sorts) */
+    p->job.order = order;
+    order = NULL;
     if (make_runs(&p->job) < 0) {
         PyErr_NoMemory();
         goto done;
@@ -901,6 +944,9 @@ done:
     Py_XDECREF(byte_keys);
     Py_XDECREF(fk);
     Py_XDECREF(fv);
+    PyMem_RawFree(md);
+    PyMem_RawFree(by_entry);
+    PyMem_RawFree(order);
     free_plan(p);
     return out;
 }

@@ -533,3 +533,24 @@ def test_fresh_loads_into_other_layouts_match_torch(spec, data):
                     assert_bit_equal(mine[k], theirs[k], k)
                 else:
                     assert mine[k] == theirs[k], k
+
+
+def test_refused_layouts_are_remembered_as_direct_plan_remembers_them(tmp_path):
+    """As direct_plan + read_plan: a layout is remembered as one the plan
+    refuses (no_direct) only when every key matches the metadata and a
+    destination cannot be read into in place; a metadata mismatch anywhere
+    (a cast here) makes it plan normally next time too."""
+    sd = {f"k{i}": torch.randn(4, 3) for i in range(6)}
+    path = tmp_path / "c"
+    dcpx.save(sd, checkpoint_id=path)
+    meta = os.path.join(path, ".metadata")
+    for cast in (False, True):
+        _readplan.clear()
+        dst = {k: torch.zeros(4, 3) for k in sd}
+        dst["k1"] = torch.zeros(3, 4).t()                       # refused: strided
+        if cast:
+            dst["k4"] = torch.zeros(4, 3, dtype=torch.float64)  # a mismatch: a cast
+        dcpx.load(dst, checkpoint_id=path)
+        for k in sd:
+            assert torch.equal(dst[k], sd[k].to(dst[k].dtype)), k
+        assert len(_readplan._cache[meta].no_direct) == (0 if cast else 1)
