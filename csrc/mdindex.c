@@ -95,8 +95,12 @@ typedef struct {
 
 #define GROW(arr, cnt, cap, extra)                                          \
     do {                                                                    \
-        if ((cnt) + (extra) > (cap)) {                                      \
+        if ((size_t)(cnt) + (extra) > (cap)) {                              \
             size_t nc_ = (size_t)(cap) * 2 + (extra) + 64;                  \
+            if (nc_ > 0xffffffffu)                                          \
+                nc_ = 0xffffffffu;                                          \
+            if (nc_ < (size_t)(cnt) + (extra))                              \
+                return -1;             /* more than 2**32 entries */        \
             void *g_ = realloc((arr), nc_ * sizeof(*(arr)));                \
             if (g_ == NULL)                                                 \
                 return -2;                                                  \

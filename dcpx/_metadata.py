@@ -383,10 +383,18 @@ def _index_tables() -> tuple:
             dtypes.append((obj, stype))
         elif isinstance(obj, (torch.layout, torch.memory_format)):
             glob[(module, name)] = (_G_OPAQUE, 0)
+    # _StorageInfo(path, offset, length) as the decoder reads that REDUCE,
+    # and _get_layout("torch.strided"); else neither is decoded in C.
+    try:
+        info = _StorageInfo("f", 1, 2)
+        ok = (_dict_state(_StorageInfo) and info.relative_path == "f" and info.offset == 1
+              and info.length == 2 and getattr(info, "transform_descriptors", None) is None
+              and torch.serialization._get_layout("torch.strided") is torch.strided)
+    except Exception:  # a torch whose _StorageInfo changed: Python's path
+        ok = False
     # Only what the Unpickler resolves, to the same objects.
-    ok = (_StorageInfo.__init__.__code__.co_argcount >= 4 and _dict_state(_StorageInfo)
-          and torch.serialization._get_layout("torch.strided") is torch.strided)
-    glob = {k: v for k, v in glob.items() if k in _ALLOWED and (ok or v[0] != _G_SI)}
+    glob = {k: v for k, v in glob.items()
+            if k in _ALLOWED and (ok or v[0] not in (_G_SI, _G_GET_LAYOUT))}
     return glob, dtypes
 
 
