@@ -26,6 +26,7 @@ SOURCES = [
     "csrc/reader.c",
     "csrc/stage.c",
     "csrc/picklescan.c",
+    "csrc/mdindex.c",
     "csrc/mdpickle.c",
     "csrc/workers.c",
     "csrc/cuda.c",

@@ -222,6 +222,34 @@ PyObject *dcpx_copy_into(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_prefault(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_stage_plain(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_check_pickle(PyObject *module, PyObject *args);
+
+/* mdindex.c: a .metadata pickle decoded into a load's tables (see there). */
+#define DCPX_MDINDEX_NAME "dcpx.md_index"
+enum { DCPX_MD_TENSOR = 1, DCPX_MD_BYTES = 2 };
+typedef struct dcpx_mdindex dcpx_mdindex;
+typedef struct {
+    int ndim;
+    const int64_t *size;
+    int whole;                /* saved as one chunk: the whole tensor */
+    Py_ssize_t file;          /* that chunk's storage entry */
+    uint64_t offset, length;
+    PyObject *dtype;          /* borrowed torch.dtype */
+    const char *storage_type; /* NULL: not read in place */
+    Py_ssize_t entry;         /* that chunk's storage entry's index */
+    Py_ssize_t pos;           /* for the caller */
+} dcpx_md_tensor;
+PyObject *dcpx_md_index(PyObject *module, PyObject *args);
+PyObject *dcpx_md_index_check(PyObject *module, PyObject *args);
+PyObject *dcpx_md_index_bytes(PyObject *module, PyObject *args);
+PyObject *dcpx_md_index_entries(PyObject *module, PyObject *index);
+PyObject *dcpx_read_plan_md(PyObject *module, PyObject *args, PyObject *kwds);
+const dcpx_mdindex *dcpx_mdindex_get(PyObject *cap);
+/* 0: no such key; DCPX_MD_BYTES; DCPX_MD_TENSOR with *out filled.
+ * *cursor (start at 0): where the next key is looked for first. */
+int dcpx_mdindex_find(const dcpx_mdindex *ix, const char *key, Py_ssize_t len,
+                      Py_ssize_t *cursor, dcpx_md_tensor *out);
+Py_ssize_t dcpx_mdindex_nfiles(const dcpx_mdindex *ix);
+Py_ssize_t dcpx_mdindex_nstorage(const dcpx_mdindex *ix);
 PyObject *dcpx_dump_metadata(PyObject *module, PyObject *args);
 
 /* Run fn(arg) on nthreads threads (at most 64): nthreads - 1 new ones plus

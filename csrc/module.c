@@ -243,6 +243,33 @@ PyDoc_STRVAR(stage_plain_doc,
              "copy them all into base on C threads without the GIL.  False, "
              "nothing copied, when one differs.");
 
+PyDoc_STRVAR(md_index_doc,
+             "md_index($module, data, body_len, globals, dtypes, /)\n--\n\n"
+             "Decode the .metadata pickle data[:body_len] into a load's tables "
+             "without making Python objects of its contents: (index, files), or "
+             "None for anything it does not fully understand (then the general "
+             "path decodes and checks it).  See csrc/mdindex.c.");
+PyDoc_STRVAR(md_index_check_doc,
+             "md_index_check($module, index, sizes, /)\n--\n\n"
+             "Whether every storage entry's extent lies within its file "
+             "(sizes[f]: bytes of files[f]).");
+PyDoc_STRVAR(md_index_bytes_doc,
+             "md_index_bytes($module, index, cls, /)\n--\n\n"
+             "{fqn: cls(relative_path, offset, length)} for every storage entry "
+             "without an offset (the last one per fqn).");
+PyDoc_STRVAR(md_index_entries_doc,
+             "md_index_entries($module, index, /)\n--\n\n"
+             "For tests: ({fqn: ('bytes',) or ('tensor', dtype, size, whole)}, "
+             "[(fqn, offset or None, relative_path, offset, length), ...]); "
+             "whole: the storage entry of its one whole chunk, or -1.");
+PyDoc_STRVAR(read_plan_md_doc,
+             "read_plan_md($module, index, paths, keys, values, exporter, types, "
+             "allow_partial, threads=0, verify=True)\n--\n\n"
+             "A read plan (as read_plan) for values[i] under keys[i] from an "
+             "md_index: (plan, byte_keys, failures), None when the metadata does "
+             "not fit a plan, False when a destination cannot be read into in "
+             "place.  threads > 0 also runs it at once (failures as "
+             "read_plan_run; else None).");
 PyDoc_STRVAR(check_pickle_doc,
              "check_pickle($module, data, /)\n--\n\n"
              "Raise ValueError unless data is a pickle whose opcodes are safe "
@@ -345,6 +372,12 @@ static PyMethodDef dcpx_methods[] = {
     {"cuda_stage_wait", dcpx_cuda_stage_wait, METH_O, cuda_stage_wait_doc},
     {"gate_stats", dcpx_gate_stats, METH_O, gate_stats_doc},
     {"check_pickle", dcpx_check_pickle, METH_VARARGS, check_pickle_doc},
+    {"md_index", dcpx_md_index, METH_VARARGS, md_index_doc},
+    {"md_index_check", dcpx_md_index_check, METH_VARARGS, md_index_check_doc},
+    {"md_index_bytes", dcpx_md_index_bytes, METH_VARARGS, md_index_bytes_doc},
+    {"md_index_entries", dcpx_md_index_entries, METH_O, md_index_entries_doc},
+    {"read_plan_md", (PyCFunction)(void (*)(void))dcpx_read_plan_md,
+     METH_VARARGS | METH_KEYWORDS, read_plan_md_doc},
     {"dump_metadata", dcpx_dump_metadata, METH_VARARGS, dump_metadata_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},

@@ -382,15 +382,18 @@ static int okey_cmp(const void *pa, const void *pb)
 static int make_runs(rjob *job)
 {
     Py_ssize_t n = job->n;
-    job->order = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    int given = job->order != NULL;  /* a permutation of 0 .. n - 1 from the caller */
+    if (!given)
+        job->order = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
     job->runs = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n + 1));
     if (job->order == NULL || job->runs == NULL)
         return -1;
     int sorted = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        job->order[i] = i;
+        if (!given)
+            job->order[i] = i;
         if (i > 0) {
-            const ritem *p = &job->items[i - 1], *q = &job->items[i];
+            const ritem *p = &job->items[job->order[i - 1]], *q = &job->items[job->order[i]];
             if (q->file < p->file || (q->file == p->file && q->offset < p->offset))
                 sorted = 0;
         }
@@ -657,7 +660,7 @@ static int bind_dest(rplan *p, Py_ssize_t i, ritem *it, PyObject *values,
     /* The exporter shares a tensor's memory whatever its neg / conj bit
      * says; such a tensor must take the torch path. */
     if (!typed || !method_false(v, is_neg) ||
-        ((record || p->dtype_code[i] == 5 /* kDLComplex */) && !method_false(v, is_conj)))
+        (!record && p->dtype_code[i] == 5 /* kDLComplex */ && !method_false(v, is_conj)))
         return 0;
     PyObject *cap = PyObject_CallOneArg(exporter, v);
     if (cap == NULL) {
@@ -671,6 +674,11 @@ static int bind_dest(rplan *p, Py_ssize_t i, ritem *it, PyObject *values,
         return 0;
     }
     const dcpx_view *d = &it->dest;
+    /* read_plan: the dtype is known now (only a complex tensor has a conj bit) */
+    if (record && d->dtype_code == 5 && !method_false(v, is_conj)) {
+        dcpx_view_release(&it->dest);
+        return 0;
+    }
     if (record && d->ndim <= 16) {   /* read_plan: what later runs require */
         if (p->shape_len + (size_t)d->ndim > p->shape_cap) {
             size_t cap = 2 * p->shape_cap + 64;
@@ -702,6 +710,245 @@ static int bind_dest(rplan *p, Py_ssize_t i, ritem *it, PyObject *values,
     it->err = 0;
     it->msg[0] = '\0';
     return 1;
+}
+
+/* Allocate a plan's per-item arrays for up to n items. */
+static int plan_alloc(rplan *p, Py_ssize_t n)
+{
+    size_t m = (size_t)(n ? n : 1);
+    p->job.items = PyMem_RawCalloc(m, sizeof(ritem));
+    p->pos = PyMem_RawCalloc(m, sizeof(Py_ssize_t));
+    p->ndim = PyMem_RawCalloc(m, sizeof(int));
+    p->dtype_code = PyMem_RawCalloc(m, sizeof(int));
+    p->itemsize = PyMem_RawCalloc(m, sizeof(uint32_t));
+    p->shape_at = PyMem_RawCalloc(m, sizeof(Py_ssize_t));
+    if (!p->job.items || !p->pos || !p->ndim || !p->dtype_code || !p->itemsize ||
+        !p->shape_at) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* Plan item i: the archive at (file, off, len) of storage type stype
+ * into values[pos]; its view kept if `keep`.  -1 error, 0 a destination
+ * the plan cannot take, 1 planned. */
+static int plan_item(rplan *p, Py_ssize_t i, Py_ssize_t file, uint64_t off, uint64_t len,
+                     const char *stype, size_t slen, Py_ssize_t pos, PyObject *fv,
+                     PyObject *exporter, PyObject *types, int keep)
+{
+    ritem *it = &p->job.items[i];
+    it->file = file;
+    p->pos[i] = pos;
+    if (it->file < 0 || it->file >= p->job.nfiles || p->pos[i] < 0) {
+        PyErr_SetString(PyExc_IndexError, "dcpx: plan item index out of range");
+        return -1;
+    }
+    if (slen >= sizeof(it->storage_type)) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: storage type name too long");
+        return -1;
+    }
+    memcpy(it->storage_type, stype, slen + 1);
+    it->offset = off;
+    it->length = len;
+    int rc = bind_dest(p, i, it, fv, exporter, types, 1);
+    if (rc > 0 && !keep)
+        dcpx_view_release(&it->dest);
+    return rc;
+}
+
+/* read_plan_md(index, paths, keys, values, exporter, types, allow_partial,
+ *              threads=0, verify=True)
+ *   -> (plan, byte_keys, failures); None when the metadata does not fit a plan (a
+ *   missing key, not one whole chunk, another dtype or shape, a dtype not
+ *   read in place, a value of another type); False when a destination
+ *   cannot be read into in place.  As _readplan.direct_plan with the
+ *   Metadata objects, from md_index's tables (mdindex.c).  With threads >
+ *   0 the plan is also run at once, through the destinations it has just
+ *   taken (failures as read_plan_run; else failures is None). */
+PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"index", "paths", "keys", "values", "exporter", "types",
+                             "allow_partial", "threads", "verify", NULL};
+    PyObject *icap, *paths, *keys, *values, *exporter, *types, *fk = NULL, *fv = NULL;
+    PyObject *out = NULL, *byte_keys = NULL;
+    static PyObject *dtype_name, *shape_name;
+    PyObject *failures = NULL;
+    int partial, nthreads = 0, verify = 1, refused = 0;
+    Py_ssize_t cursor = 0, ni = 0, *by_entry = NULL, *order = NULL;
+    dcpx_md_tensor *md = NULL;
+    rplan *p = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO!p|ip:read_plan_md", kwlist, &icap,
+                                     &paths, &keys, &values, &exporter, &PyTuple_Type,
+                                     &types, &partial, &nthreads, &verify))
+        return NULL;
+    if (nthreads < 0 || nthreads > 64) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: threads must be in 0..64");
+        return NULL;
+    }
+    if (dtype_name == NULL && (dtype_name = PyUnicode_InternFromString("dtype")) == NULL)
+        return NULL;
+    if (shape_name == NULL && (shape_name = PyUnicode_InternFromString("shape")) == NULL)
+        return NULL;
+    const dcpx_mdindex *ix = dcpx_mdindex_get(icap);
+    if (ix == NULL)
+        return NULL;
+    p = PyMem_RawCalloc(1, sizeof(rplan));
+    if (p == NULL)
+        return PyErr_NoMemory();
+    if (parse_paths(&p->job, paths) < 0)
+        goto done;
+    if (p->job.nfiles != dcpx_mdindex_nfiles(ix)) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: read_plan_md: one path per file");
+        goto done;
+    }
+    fk = PySequence_Fast(keys, "dcpx: keys must be a sequence");
+    fv = fk ? PySequence_Fast(values, "dcpx: values must be a sequence") : NULL;
+    if (fv == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fk), nst = dcpx_mdindex_nstorage(ix);
+    if (PySequence_Fast_GET_SIZE(fv) != n) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: read_plan_md: one value per key");
+        goto done;
+    }
+    md = PyMem_RawMalloc(sizeof(dcpx_md_tensor) * (size_t)(n ? n : 1));
+    by_entry = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(nst ? nst : 1));
+    order = PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(n ? n : 1));
+    if (md == NULL || by_entry == NULL || order == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (plan_alloc(p, n) < 0 || (byte_keys = PyList_New(0)) == NULL)
+        goto done;
+    /* 1. The keys, in the state dict's order, against the metadata only
+     * (as direct_plan's loop; a missing key or a tensor not saved whole
+     * makes it None whatever the destinations are). */
+    for (Py_ssize_t pos = 0; pos < n; pos++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(fk, pos);
+        Py_ssize_t klen;
+        const char *k = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &klen) : NULL;
+        if (k == NULL) {
+            PyErr_Clear();
+            goto none;
+        }
+        int kind = dcpx_mdindex_find(ix, k, klen, &cursor, &md[ni]);
+        if (kind == 0) {
+            if (partial)
+                continue;
+            goto none;
+        }
+        if (kind == DCPX_MD_BYTES) {
+            if (PyList_Append(byte_keys, key) < 0)
+                goto done;
+            continue;
+        }
+        if (!md[ni].whole || md[ni].storage_type == NULL || md[ni].entry >= nst)
+            goto none;
+        md[ni].pos = pos;
+        ni++;
+    }
+    /* 2. The destinations, in the order of their archives in the files
+     * (each storage entry is the whole chunk of one key at most): that is
+     * the order their tensors were made in, as a rule, and the reads' own
+     * order.  None if any does not match the metadata (its type, dtype,
+     * shape), else False if any cannot be read into in place, as
+     * direct_plan + read_plan decide. */
+    for (Py_ssize_t e = 0; e < nst; e++)
+        by_entry[e] = -1;
+    for (Py_ssize_t i = 0; i < ni; i++)
+        by_entry[md[i].entry] = i;
+    Py_ssize_t no = 0;
+    for (Py_ssize_t e = 0; e < nst; e++)
+        if (by_entry[e] >= 0)
+            order[no++] = by_entry[e];
+    if (no != ni)    /* two keys with one entry (a key twice): not planned */
+        goto none;
+    p->job.n = ni;   /* items 0 .. ni - 1, the tensor keys in order */
+    for (Py_ssize_t j = 0; j < ni; j++) {
+        Py_ssize_t i = order[j];
+        const dcpx_md_tensor *t = &md[i];
+        PyObject *v = PySequence_Fast_GET_ITEM(fv, t->pos);
+        int typed = 0;
+        for (Py_ssize_t q = 0; q < PyTuple_GET_SIZE(types); q++)
+            typed |= (PyObject *)Py_TYPE(v) == PyTuple_GET_ITEM(types, q);
+        if (!typed)
+            goto none;
+        PyObject *dt = PyObject_GetAttr(v, dtype_name);
+        if (dt == NULL) {
+            PyErr_Clear();
+            goto none;
+        }
+        Py_DECREF(dt);
+        if (dt != t->dtype)
+            goto none;
+        int rc = plan_item(p, i, t->file, t->offset, t->length, t->storage_type,
+                           strlen(t->storage_type), t->pos, fv, exporter, types,
+                           nthreads > 0);
+        if (rc < 0)
+            goto done;
+        if (rc > 0 && (p->ndim[i] != t->ndim ||
+                       (t->ndim && memcmp(&p->shape[p->shape_at[i]], t->size,
+                                          sizeof(int64_t) * (size_t)t->ndim) != 0)))
+            goto none;
+        if (rc == 0) {
+            /* refused: still None if its shape differs from the metadata */
+            PyObject *shape = PyObject_GetAttr(v, shape_name);
+            int same = shape != NULL && PyTuple_Check(shape) &&
+                       PyTuple_GET_SIZE(shape) == t->ndim;
+            for (int d = 0; same && d < t->ndim; d++)
+                same = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, d)) == t->size[d];
+            Py_XDECREF(shape);
+            PyErr_Clear();
+            if (!same)
+                goto none;
+            refused = 1;
+        }
+    }
+    if (refused) {
+        Py_INCREF(Py_False);
+        out = Py_False;
+        goto done;
+    }
+    /* the runs: in the order just used when it is the files' order
+     * (make_runs checks, else sorts) */
+    p->job.order = order;
+    order = NULL;
+    if (make_runs(&p->job) < 0) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (nthreads > 0) {              /* run it through the views taken above */
+        p->job.verify = verify;
+        failures = execute(&p->job, nthreads);
+        for (Py_ssize_t i = 0; i < p->job.n; i++)
+            dcpx_view_release(&p->job.items[i].dest);
+        if (failures == NULL)
+            goto done;
+    }
+    else {
+        Py_INCREF(Py_None);
+        failures = Py_None;
+    }
+    PyObject *cap = PyCapsule_New(p, PLAN_NAME, plan_capsule_free);
+    if (cap == NULL)
+        goto done;
+    p = NULL;
+    out = Py_BuildValue("(NOO)", cap, byte_keys, failures);
+    goto done;
+none:
+    Py_INCREF(Py_None);
+    out = Py_None;
+done:
+    Py_XDECREF(failures);
+    Py_XDECREF(byte_keys);
+    Py_XDECREF(fk);
+    Py_XDECREF(fv);
+    PyMem_RawFree(md);
+    PyMem_RawFree(by_entry);
+    PyMem_RawFree(order);
+    free_plan(p);
+    return out;
 }
 
 PyObject *dcpx_read_plan(PyObject *Py_UNUSED(module), PyObject *args)

@@ -231,15 +231,23 @@ class SafeUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"{self._what}: unexpected persistent id")
 
 
-def loads(data: bytes, path: str) -> _md.Metadata:
-    """Parse a .metadata file's bytes; verify dcpx's trailer when present."""
-    body = data
+def _body_len(data: bytes, path: str) -> int:
+    """Bytes of the pickle in a .metadata file's bytes, after checking
+    dcpx's trailer when there is one."""
     if len(data) >= _TRAILER.size and data[-_TRAILER.size:-_TRAILER.size + 8] == _TRAILER_MAGIC:
         _, crc, n = _TRAILER.unpack(data[-_TRAILER.size:])
-        body = data[:-_TRAILER.size]
-        if n != len(body) or _C.crc32(body) != crc:
+        body = len(data) - _TRAILER.size
+        if n != body or _C.crc32(memoryview(data)[:body]) != crc:
             raise CorruptCheckpointError(
                 f"{path}: metadata checksum mismatch (the file is corrupted)")
+        return body
+    return len(data)
+
+
+def loads(data: bytes, path: str) -> _md.Metadata:
+    """Parse a .metadata file's bytes; verify dcpx's trailer when present."""
+    n = _body_len(data, path)
+    body = data if n == len(data) else data[:n]
     try:
         _C.check_pickle(body)
     except ValueError as e:
@@ -306,3 +314,97 @@ def _validate(md: Any) -> None:
                 and type(info) is SI and type(info.relative_path) is str
                 and type(info.offset) is int and type(info.length) is int):
             raise TypeError(f"storage entry {index!r} is malformed")
+
+
+# --- reading into a load's tables (csrc/mdindex.c) -------------------------
+
+# Global kinds of csrc/mdindex.c (G_*).
+_G_CLASSES = {"Metadata": 1, "TensorStorageMetadata": 2, "BytesStorageMetadata": 3,
+              "ChunkStorageMetadata": 4, "TensorProperties": 5, "MetadataIndex": 6,
+              "StorageMeta": 7}
+_G_SI, _G_SIZE, _G_GET_LAYOUT, _G_MEMFMT_ENC, _G_PATH, _G_DTYPE, _G_OPAQUE = range(8, 15)
+_INDEX_TABLES: tuple | None = None
+
+
+def _dict_state(cls: type) -> bool:
+    """cls unpickles as NEWOBJ then BUILD of its __dict__ (no __setstate__)."""
+    return _new_and_state(cls) and not hasattr(cls, "__setstate__")
+
+
+def _tp_state() -> bool:
+    """TensorProperties unpickles through its __setstate__ of the 5-tuple
+    (dtype, layout, requires_grad, memory-format encoding, pin_memory)."""
+    TP = _md.TensorProperties
+    if not (_new_and_state(TP) and "__setstate__" in vars(TP)
+            and hasattr(_md, "_MEM_FORMAT_ENCODING")):
+        return False
+    try:
+        p = TP(dtype=torch.float32)
+        state = p.__getstate__()
+        q = TP.__new__(TP)
+        q.__setstate__(state)
+        return (type(state) is tuple and len(state) == 5 and q == p
+                and state[3] == _md._MEM_FORMAT_ENCODING(0))
+    except Exception:  # a torch whose TensorProperties changed: Python's path
+        return False
+
+
+def _index_tables() -> tuple:
+    """(globals, dtypes) for _C.md_index: the globals of the Unpickler's
+    allow-list that the C decoder knows how to use, each as (kind, index),
+    and per dtype (torch.dtype, its archive storage type, or None when it
+    is not read in place)."""
+    from ._dtypes import _needs_int_view, storage_type_name
+    global _ALLOWED
+    if _ALLOWED is None:
+        _ALLOWED = _allowed()
+    mod = "torch.distributed.checkpoint.metadata"
+    glob: dict = {}
+    for name, kind in _G_CLASSES.items():
+        cls = getattr(_md, name, None)
+        if cls is not None and (_tp_state() if name == "TensorProperties" else _dict_state(cls)):
+            glob[(mod, name)] = (kind, 0)
+    glob[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = (_G_SI, 0)
+    glob[("torch", "Size")] = (_G_SIZE, 0)
+    glob[("torch.serialization", "_get_layout")] = (_G_GET_LAYOUT, 0)
+    glob[(mod, "_MEM_FORMAT_ENCODING")] = (_G_MEMFMT_ENC, 0)
+    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+        glob[("pathlib", name)] = (_G_PATH, 0)
+    dtypes: list = []
+    for (module, name), obj in _ALLOWED.items():
+        if module != "torch":
+            continue
+        if isinstance(obj, torch.dtype):
+            try:
+                stype = None if _needs_int_view(obj) else storage_type_name(obj)
+            except TypeError:
+                stype = None
+            glob[(module, name)] = (_G_DTYPE, len(dtypes))
+            dtypes.append((obj, stype))
+        elif isinstance(obj, (torch.layout, torch.memory_format)):
+            glob[(module, name)] = (_G_OPAQUE, 0)
+    # _StorageInfo(path, offset, length) as the decoder reads that REDUCE,
+    # and _get_layout("torch.strided"); else neither is decoded in C.
+    try:
+        info = _StorageInfo("f", 1, 2)
+        ok = (_dict_state(_StorageInfo) and info.relative_path == "f" and info.offset == 1
+              and info.length == 2 and getattr(info, "transform_descriptors", None) is None
+              and torch.serialization._get_layout("torch.strided") is torch.strided)
+    except Exception:  # a torch whose _StorageInfo changed: Python's path
+        ok = False
+    # Only what the Unpickler resolves, to the same objects.
+    glob = {k: v for k, v in glob.items()
+            if k in _ALLOWED and (ok or v[0] not in (_G_SI, _G_GET_LAYOUT))}
+    return glob, dtypes
+
+
+def index(data: bytes, path: str):
+    """(index, data file names) of a .metadata file's bytes from the C
+    decoder (csrc/mdindex.c), trailer checked; None when it leaves the file
+    to ``loads`` (anything it does not fully understand, including every
+    malformed or unsafe pickle: ``loads`` raises the error)."""
+    global _INDEX_TABLES
+    n = _body_len(data, path)
+    if _INDEX_TABLES is None:
+        _INDEX_TABLES = _index_tables()
+    return _C.md_index(data, n, *_INDEX_TABLES)

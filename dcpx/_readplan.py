@@ -37,11 +37,13 @@ kept (least recently used first out).  ``clear()`` empties the cache.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import _C, _metadata
@@ -65,11 +67,14 @@ def clear() -> None:
 class Plan:
     """A compiled read plan for one destination layout."""
 
-    __slots__ = ("capsule", "byte_keys")
+    __slots__ = ("capsule", "byte_keys", "ran")
 
-    def __init__(self, capsule: Any, byte_keys: list) -> None:
+    def __init__(self, capsule: Any, byte_keys: list, ran: Optional[list] = None) -> None:
         self.capsule = capsule
         self.byte_keys = byte_keys
+        # The failures of a run made as the plan was made (_indexed_plan):
+        # run_plan reports them instead of running it again.
+        self.ran = ran
 
 
 class Checkpoint:
@@ -84,10 +89,10 @@ class Checkpoint:
     one."""
 
     __slots__ = ("ident", "raw", "where", "_md", "files", "plans", "no_plan", "byte_index",
-                 "whole_index", "no_direct")
+                 "whole_index", "no_direct", "index")
 
-    def __init__(self, ident: Optional[tuple], raw: bytes, metadata: Metadata, files: dict,
-                 where: str = "") -> None:
+    def __init__(self, ident: Optional[tuple], raw: bytes, metadata: Optional[Metadata],
+                 files: dict, where: str = "", index: Any = None) -> None:
         self.ident = ident            # None: not cached (metadata kept as given)
         self.raw = raw
         self.where = where
@@ -98,6 +103,9 @@ class Checkpoint:
         self.no_direct: OrderedDict = OrderedDict()  # layouts read_plan refused
         self.byte_index: Optional[dict] = None
         self.whole_index: Optional[dict] = None
+        # _C.md_index's tables (csrc/mdindex.c), when it decoded the file:
+        # then no Metadata object is made unless something asks for one.
+        self.index = index
 
     @property
     def metadata(self) -> Metadata:
@@ -130,6 +138,8 @@ class Checkpoint:
 
     def byte_info(self) -> dict:
         """fqn -> storage info of every non-tensor value."""
+        if self.byte_index is None and self.index is not None:
+            self.byte_index = _C.md_index_bytes(self.index, _StorageInfo)
         if self.byte_index is None:
             self.byte_index = {k.fqn: v for k, v in self.metadata.storage_data.items()
                                if k.offset is None}
@@ -164,6 +174,10 @@ def checkpoint(reader, rank: Optional[int] = None) -> Checkpoint:
     if (ck is not None and ck.ident == ident and ck.raw == raw
             and _files_unchanged(reader.path, ck.files)):
         return ck
+    ck = _indexed(reader, raw, ident, key)
+    if ck is not None:
+        _remember(key, ck)
+        return ck
     md = _metadata.loads(raw, key)
     reader._validate_storage(md)
     names = {info.relative_path for info in md.storage_data.values()}
@@ -176,12 +190,42 @@ def checkpoint(reader, rank: Optional[int] = None) -> Checkpoint:
             ck.no_plan = True
             return ck
     ck = Checkpoint(ident, raw, md, files, key)
+    _remember(key, ck)
+    return ck
+
+
+def _remember(key: str, ck: Checkpoint) -> None:
     with _lock:
         _cache[key] = ck
         _cache.move_to_end(key)
         while len(_cache) > MAX_CHECKPOINTS:
             _cache.popitem(last=False)
-    return ck
+
+
+def _indexed(reader, raw: bytes, ident: tuple, key: str) -> Optional[Checkpoint]:
+    """The checkpoint as the C decoder reads it (csrc/mdindex.c): its
+    tables, checked as ``_metadata.loads`` and ``_validate_storage`` check
+    the Metadata, and its data files (regular, each extent inside its
+    file).  None when any of that is not so, or the decoder leaves the file
+    to Python: the caller then decodes and checks it again, and raises
+    what it finds."""
+    found = _metadata.index(raw, key)
+    if found is None:
+        return None
+    index, names = found
+    files, sizes = {}, []
+    for name in names:
+        try:
+            st = os.lstat(reader.path / name)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        files[name] = _file_ident(st)
+        sizes.append(st.st_size)
+    if not _C.md_index_check(index, sizes):
+        return None
+    return Checkpoint(ident, raw, None, files, key, index)
 
 
 def cacheable(reader) -> bool:
@@ -235,6 +279,8 @@ def direct_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool,
     what torch would."""
     if _TO_DLPACK is None or key in ck.no_direct:
         return None
+    if ck.index is not None:
+        return _indexed_plan(reader, ck, flat, allow_partial_load, key)
     sdm = ck.metadata.state_dict_metadata
     whole = ck.whole_chunks()
     files: dict = {}
@@ -267,17 +313,44 @@ def direct_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool,
     paths = [str(reader.path / p) for p in files]
     capsule = _C.read_plan(paths, items, list(flat.values()), _TO_DLPACK, _PLAIN_TYPES)
     if capsule is None:  # e.g. CUDA or non-contiguous destinations: do not try again
-        with _lock:
-            ck.no_direct[key] = True
-            while len(ck.no_direct) > MAX_PLANS:
-                ck.no_direct.popitem(last=False)
+        _no_direct(ck, key)
         return None
     return Plan(capsule, byte_keys)
+
+
+def _no_direct(ck: Checkpoint, key: tuple) -> None:
+    with _lock:
+        ck.no_direct[key] = True
+        while len(ck.no_direct) > MAX_PLANS:
+            ck.no_direct.popitem(last=False)
+
+
+def _indexed_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool,
+                  key: tuple) -> Optional[Plan]:
+    """direct_plan from the C decoder's tables (_C.read_plan_md): the same
+    tests per key, in C, with no Metadata object.  The plan is run as it
+    is made, through the destinations it has just taken (a fresh
+    checkpoint's load exports each tensor once, not twice); run_plan
+    returns that run's failures."""
+    paths = [str(reader.path / p) for p in ck.files]
+    got = _C.read_plan_md(ck.index, paths, list(flat), list(flat.values()), _TO_DLPACK,
+                          _PLAIN_TYPES, allow_partial_load, threads=reader.thread_count,
+                          verify=reader.verify)
+    if got is None:
+        return None
+    if got is False:  # e.g. CUDA or non-contiguous destinations: do not try again
+        _no_direct(ck, key)
+        return None
+    capsule, byte_keys, failures = got
+    return Plan(capsule, byte_keys, failures)
 
 
 def run_plan(reader, plan: Plan, flat: dict) -> Optional[list]:
     """Read every tensor of ``plan`` into ``flat``'s tensors.  None when a
     destination is not what the plan was made for (nothing was read), else
     the C reader's failures (empty: all read and checked)."""
+    if plan.ran is not None:
+        failures, plan.ran = plan.ran, None
+        return failures
     return _C.read_plan_run(plan.capsule, list(flat.values()), _TO_DLPACK, _PLAIN_TYPES,
                             threads=reader.thread_count, verify=reader.verify)

@@ -50,14 +50,17 @@ def _fresh_cache():
 
 @pytest.fixture
 def parses(monkeypatch):
-    """How many times a .metadata file was parsed."""
+    """How many times a .metadata file was parsed (into Metadata objects by
+    _metadata.loads, or into the C decoder's tables by _metadata.index)."""
     count = [0]
-    real = _metadata.loads
 
-    def spy(*a, **kw):
-        count[0] += 1
-        return real(*a, **kw)
-    monkeypatch.setattr(_metadata, "loads", spy)
+    def counted(real):
+        def spy(*a, **kw):
+            count[0] += 1
+            return real(*a, **kw)
+        return spy
+    monkeypatch.setattr(_metadata, "loads", counted(_metadata.loads))
+    monkeypatch.setattr(_metadata, "index", counted(_metadata.index))
     return count
 
 
