@@ -454,11 +454,12 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     # 1. local plan (or its digest, when unchanged) -> coordinator
     own: Optional[BaseException] = None
     items = payloads = sent = None
+    prepared = True
     gkey = _group_key(g)
     try:
         writer._prepare_dir(create=False)  # nothing on disk before the paths agree
-        items, payloads, sent, msg = _local_message(flat, mappings, prepare, gkey,
-                                                    path_key(writer.path))
+        items, payloads, sent, msg, prepared = _local_message(flat, mappings, prepare, gkey,
+                                                              path_key(writer.path))
     except Exception as e:
         own, msg = e, _failure(g.rank, e)
     gathered = g.gather(msg)
@@ -505,7 +506,7 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     try:
         writer._prepare_dir()
         names, layout = write(writer, prefix,
-                              [_Entry(i, payloads[i], items[i].nbytes) for i in mine])
+                              _prepared_entries(items, payloads, prepared, sent, mine, prepare))
         msg = ("ok", names, layout)
     except Exception as e:
         own, msg = e, _failure(g.rank, e)
@@ -593,22 +594,55 @@ def clear_exchange_cache() -> None:
         _GLOBAL_PLANS.clear()
 
 
+def _unprepared(t: torch.Tensor, key: str) -> torch.Tensor:
+    return t
+
+
 def _local_message(flat: dict, mappings: dict, prepare: Callable, gkey: tuple,
                    path: str) -> tuple:
-    """(items, payloads, _Sent, message for the coordinator): the message
-    carries the encoded plan, or only its digest when the plan is the one
-    this rank sent last time on this group."""
-    sig, payloads = scan(flat, prepare)
+    """(items, payloads, _Sent, message for the coordinator, prepared): the
+    message carries the encoded plan, or only its digest when the plan is
+    the one this rank sent last time on this group.  Then (``prepared``
+    False) the tensors' payloads are not made yet: ``payloads`` holds the
+    tensors ``prepare`` takes (``_prepared_entries`` makes the payloads of
+    the items this rank writes, a fraction of them for replicated state);
+    a changed plan gets every payload here, so that a tensor dcpx cannot
+    save is refused before planning, naming its key, as before."""
     keys = tuple(flat)
+    try:
+        sig, payloads = scan(flat, _unprepared)
+    except Exception:
+        # A value whose metadata cannot be read: prepare's own error names it.
+        sig, payloads = scan(flat, prepare)
+        return _changed_message(keys, sig, payloads, mappings, gkey, path) + (True,)
+    sizes = [len(p) for s, p in zip(sig, payloads) if s is None]
+    with _sent_lock:
+        last = _SENT.get(gkey)
+    if (last is not None and last.keys == keys and last.sig == sig and last.sizes == sizes
+            and last.mappings == mappings):
+        return (last.items, payloads, last, ("ok", None, path, last.digest, last.token), False)
+    payloads = [p if s is None else prepare(p, k) for k, s, p in zip(keys, sig, payloads)]
+    return _changed_message(keys, sig, payloads, mappings, gkey, path) + (True,)
+
+
+def _prepared_entries(items: list, payloads: list, prepared: bool, sent: _Sent, mine: list,
+                      prepare: Callable) -> list:
+    """The C writer's entries of the items this rank writes."""
+    if prepared:
+        return [_Entry(i, payloads[i], items[i].nbytes) for i in mine]
+    sig, keys = sent.sig, sent.keys
+    return [_Entry(i, payloads[i] if sig[i] is None else prepare(payloads[i], keys[i]),
+                   items[i].nbytes) for i in mine]
+
+
+def _changed_message(keys: tuple, sig: list, payloads: list, mappings: dict, gkey: tuple,
+                     path: str) -> tuple:
     sizes = [len(p) for s, p in zip(sig, payloads) if s is None]
     with _sent_lock:
         last = _SENT.get(gkey)
     token = assign = None
     if last is not None:
         token, assign = last.token, last.assign
-        if (last.keys == keys and last.sig == sig and last.sizes == sizes
-                and last.mappings == mappings):
-            return last.items, payloads, last, ("ok", None, path, last.digest, token)
     items = local_items(keys, sig, payloads)
     blob = _blob(items, mappings)
     sent = _Sent(keys, sig, sizes, dict(mappings), items, _digest(blob), token, assign)

@@ -19,6 +19,9 @@ with dcpx and with torch's dcp.load, bit-exact, on every rank:
   the save succeeds in one more round;
 * ranks that disagree about a key: the save fails on every rank naming the
   key, nothing is committed, and the next save of the old layout succeeds;
+* a tensor dcpx cannot save (a meta tensor) in place of one of the same
+  signature: the save fails on every rank naming the key, though the plan
+  went by digest and payloads are made only for the items a rank writes;
 * async_save (its own group): digests from the second save on.
 
 Without a process group: ``_coordinate`` answers an unknown digest with
@@ -273,6 +276,22 @@ def check_disagreeing_ranks_fail_then_recover(ctx):
     expect(save_checked(ctx.path("dis3"), state(r, 3)), ["digest", "digest"])
 
 
+def check_unsaveable_tensor_with_an_unchanged_plan(ctx):
+    """With a digest, a rank makes only the payloads of the items it writes
+    (after step 2): a tensor dcpx cannot save, with the signature of the one
+    it replaces, still fails the save on every rank naming its key."""
+    fresh(ctx)
+    r = ctx.rank
+    save_checked(ctx.path("uns0"), state(r, 0))
+    bad = state(r, 1)
+    bad["rep.a"] = torch.empty(bad["rep.a"].shape, dtype=bad["rep.a"].dtype, device="meta")
+    with pytest.raises(Exception, match="rep.a"):
+        dcpx.save(bad, checkpoint_id=ctx.path("uns1"))
+    assert not os.path.exists(os.path.join(ctx.path("uns1"), ".metadata"))
+    dist.barrier()
+    expect(save_checked(ctx.path("uns2"), state(r, 2)), ["digest", "digest"])
+
+
 def check_async_save_sends_digests(ctx):
     fresh(ctx)
     r = ctx.rank
@@ -298,7 +317,7 @@ def check_async_save_sends_digests(ctx):
 CHECKS = [check_same_layout_sends_digests, check_changed_rank_sends_its_plan,
           check_layout_changes_on_every_rank_send_plans, check_new_group_sends_plans,
           check_forgotten_plans_are_resent, check_disagreeing_ranks_fail_then_recover,
-          check_async_save_sends_digests]
+          check_unsaveable_tensor_with_an_unchanged_plan, check_async_save_sends_digests]
 
 
 @pytest.fixture(scope="module")
