@@ -563,10 +563,11 @@ class _Sent(NamedTuple):
     assign: Optional[list]   # indices into items this rank wrote
 
 
-# (group, rank, size) -> _Sent; a few groups (e.g. the default group and
-# async_save's own).
+# (group, rank, size) -> _Sent, for the last 4 groups saved on (e.g. the
+# default group and async_save's own); each holds the keys, signatures and
+# items of its state dict (no tensor).
 _SENT: dict = {}
-_SENT_MAX = 8
+_SENT_MAX = 4
 _sent_lock = threading.Lock()
 
 
