@@ -482,7 +482,9 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
         # a digest: the ranks that did send it whole, in one more round.
         again = None
         if msg[0] == "ok" and msg[1] is None:
-            again = ("ok", _blob(sent.items, sent.mappings), msg[2], sent.digest, msg[4])
+            blob = _blob(sent.items, sent.mappings)
+            sent = sent._replace(digest=_digest(blob))  # what the coordinator will hold
+            again = ("ok", blob, msg[2], sent.digest, msg[4])
         regathered = g.gather(again)
         replies = None
         if g.is_coordinator:
