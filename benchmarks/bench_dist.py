@@ -17,7 +17,10 @@ For each save:
   torch's per-tensor serialization; dcpx: from starting its C write job to
   joining it);
 * ``coordination`` = total - write: planning, the collectives, metadata and
-  commit.  Counting torch's serialization as "write" favours torch.
+  commit.  Counting torch's serialization as "write" favours torch;
+* ``cpu``: CPU seconds (user + system, every thread) the save took, summed
+  over the ranks.  On a shared machine the wall times above depend on what
+  else runs; this depends much less on it.
 
 Usage::
 
@@ -124,10 +127,12 @@ def _rank_main(rank: int, ws: int, port: int, impl: str, layout: str, count: int
             path = os.path.join(root, f"{impl}-{layout}-{ws}-{it}")
             write_times.clear()
             dist.barrier()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             dcp.save(sd, storage_writer=writer_for(path))
             total = time.perf_counter() - t0
-            rows.append({"total": total, "write": sum(write_times)})
+            cpu = time.process_time() - c0
+            rows.append({"total": total, "write": sum(write_times), "cpu": cpu})
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
@@ -149,10 +154,11 @@ def run_config(impl: str, layout: str, ws: int, count: int, repeat: int, root: s
     for it in range(repeat + 1):
         total = max(pr[it]["total"] for pr in per_rank)
         write = max(pr[it]["write"] for pr in per_rank)
-        saves.append({"total": total, "write": write, "coordination": total - write})
+        cpu = sum(pr[it]["cpu"] for pr in per_rank)
+        saves.append({"total": total, "write": write, "coordination": total - write, "cpu": cpu})
     measured = saves[1:]  # the first save warms up imports and caches
     med = {k: statistics.median(s[k] for s in measured)
-           for k in ("total", "write", "coordination")}
+           for k in ("total", "write", "coordination", "cpu")}
     return {"impl": impl, "layout": layout, "ranks": ws, "count": count,
             "saves": saves, "median": med}
 
@@ -202,7 +208,8 @@ def main() -> None:
                 r = run_config(impl, layout, ws, args.count, args.repeat, root)
                 m = r["median"]
                 print(f"{layout:10s} ranks={ws} {impl:5s} total {m['total']:7.3f} s  "
-                      f"write {m['write']:7.3f} s  coordination {m['coordination']:7.3f} s",
+                      f"write {m['write']:7.3f} s  coordination {m['coordination']:7.3f} s  "
+                      f"cpu (all ranks) {m['cpu']:7.3f} s",
                       flush=True)
                 results.append(r)
     if not args.dir:

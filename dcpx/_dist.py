@@ -34,10 +34,11 @@ from __future__ import annotations
 import bisect
 import contextlib
 import dataclasses
+import hashlib
 import os
 import pickle
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,8 +60,10 @@ from ._plan import (  # noqa: F401 (the planner's names, as before)
     global_plan,
     is_dtensor,
     local_chunk,
+    local_items,
     local_plan,
     plannable,
+    scan,
 )
 from ._reader import FileSystemReader, _TensorRead
 from ._writer import FileSystemWriter, _path_key
@@ -448,14 +451,15 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     writer.set_up_storage_writer(g.is_coordinator, rank=g.rank, use_collectives=use_collectives)
     if not use_collectives:
         return _save_alone(writer, flat, mappings, g, prepare, write)
-    # 1. local plan -> coordinator
+    # 1. local plan (or its digest, when unchanged) -> coordinator
     own: Optional[BaseException] = None
-    items = payloads = None
+    items = payloads = sent = None
+    prepared = True
+    gkey = _group_key(g)
     try:
         writer._prepare_dir(create=False)  # nothing on disk before the paths agree
-        items, payloads = local_plan(flat, prepare)
-        msg = ("ok", pickle.dumps((items, mappings), protocol=pickle.HIGHEST_PROTOCOL),
-               path_key(writer.path))
+        items, payloads, sent, msg, prepared = _local_message(flat, mappings, prepare, gkey,
+                                                              path_key(writer.path))
     except Exception as e:
         own, msg = e, _failure(g.rank, e)
     gathered = g.gather(msg)
@@ -473,17 +477,38 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
             own = own or e
             replies = [("err", [_failure(0, e)[1]])] * g.size
     reply = g.scatter(replies)
+    if reply[0] == "resend":
+        # The coordinator does not hold a plan this rank or another sent as
+        # a digest: the ranks that did send it whole, in one more round.
+        again = None
+        if msg[0] == "ok" and msg[1] is None:
+            blob = _blob(sent.items, sent.mappings)
+            sent = sent._replace(digest=_digest(blob))  # what the coordinator will hold
+            again = ("ok", blob, msg[2], sent.digest, msg[4])
+        regathered = g.gather(again)
+        replies = None
+        if g.is_coordinator:
+            try:
+                full = [m if m is not None else gathered[r] for r, m in enumerate(regathered)]
+                plan, replies = _coordinate(writer, full)
+            except Exception as e:
+                own = own or e
+                replies = [("err", [_failure(0, e)[1]])] * g.size
+        reply = g.scatter(replies)
     if reply[0] == "refuse":
         raise CheckpointError(reply[1])
     if reply[0] != "ok":
         _raise_remote("save planning", reply[1], own, writer.path)
-    _, prefix, mine = reply
+    _, prefix, mine, token = reply
+    if mine is None:  # the assignment this rank holds (it sent its token)
+        mine = sent.assign
+    _remember_sent(gkey, sent._replace(token=token, assign=mine))
     # 3. write; file layout + status -> coordinator
     names: list = []
     try:
         writer._prepare_dir()
         names, layout = write(writer, prefix,
-                              [_Entry(i, payloads[i], items[i].nbytes) for i in mine])
+                              _prepared_entries(items, payloads, prepared, sent, mine, prepare))
         msg = ("ok", names, layout)
     except Exception as e:
         own, msg = e, _failure(g.rank, e)
@@ -503,42 +528,219 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     return metadata
 
 
-# The coordinator's last global plans, by the ranks' encoded plans (items
-# and flatten mappings, byte for byte): a save whose ranks send exactly what
-# they sent for one of these reuses its global plan instead of decoding the
-# items and planning again.  Never changed once made (_commit copies the
-# dicts it hands out).  Bounded: 2 plans.
+# ------------------------------------------------------------ plan exchange
+#
+# A rank's encoded plan (its items and flatten mappings, pickled) is named by
+# its digest (BLAKE2b of the bytes).  A rank whose plan is exactly what it
+# sent in its last save on the same group (same keys, signatures, value sizes
+# and mappings: compared here, not hashed) sends only that digest; the
+# coordinator keeps the bytes of the plans of its last global plans, so it
+# still has them, and keeps each global plan under the tuple of the ranks'
+# digests.  Each rank's share of a global plan is named by the digest of its
+# index list (its token): a rank says which one it holds, and the coordinator
+# sends the list only when it differs.  A digest the coordinator does not
+# hold (it forgot it, or the rank's cache is of another group) is answered
+# with "resend", and the ranks that sent digests send their plans whole in
+# one more gather/scatter, in the same save.  docs/design.md, "Plan
+# exchange by digest".
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=20).digest()
+
+
+def _blob(items: list, mappings: dict) -> bytes:
+    return pickle.dumps((items, mappings), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _Sent(NamedTuple):
+    """What a rank sent in its last save on a group, and its share of the
+    global plan it got back.  Never changed once made."""
+    keys: tuple
+    sig: list           # dcpx._plan.scan's signature
+    sizes: list         # byte sizes of the non-tensor values, in order
+    mappings: dict
+    items: list         # local_items of the above
+    digest: bytes       # of _blob(items, mappings)
+    token: Optional[bytes]   # the held assignment's token
+    assign: Optional[list]   # indices into items this rank wrote
+
+
+# (group, rank, size) -> _Sent, for the last 4 groups saved on (e.g. the
+# default group and async_save's own); each holds the keys, signatures and
+# items of its state dict (no tensor).
+_SENT: dict = {}
+_SENT_MAX = 4
+_sent_lock = threading.Lock()
+
+
+def _group_key(g: _Group) -> tuple:
+    pg = g.group
+    if pg is None:
+        from torch.distributed import distributed_c10d as c10d
+        pg = c10d._get_default_group()
+    return (id(pg), getattr(pg, "group_name", None), g.rank, g.size)
+
+
+def _remember_sent(key: tuple, sent: _Sent) -> None:
+    with _sent_lock:
+        _SENT.pop(key, None)
+        _SENT[key] = sent
+        while len(_SENT) > _SENT_MAX:
+            del _SENT[next(iter(_SENT))]
+
+
+def clear_exchange_cache() -> None:
+    """Forget every plan sent and every global plan made (tests)."""
+    with _sent_lock:
+        _SENT.clear()
+    with _global_plans_lock:
+        _GLOBAL_PLANS.clear()
+
+
+def _unprepared(t: torch.Tensor, key: str) -> torch.Tensor:
+    return t
+
+
+def _local_message(flat: dict, mappings: dict, prepare: Callable, gkey: tuple,
+                   path: str) -> tuple:
+    """(items, payloads, _Sent, message for the coordinator, prepared): the
+    message carries the encoded plan, or only its digest when the plan is
+    the one this rank sent last time on this group.  Then (``prepared``
+    False) the tensors' payloads are not made yet: ``payloads`` holds the
+    tensors ``prepare`` takes (``_prepared_entries`` makes the payloads of
+    the items this rank writes, a fraction of them for replicated state);
+    a changed plan gets every payload here, so that a tensor dcpx cannot
+    save is refused before planning, naming its key, as before."""
+    keys = tuple(flat)
+    try:
+        sig, payloads = scan(flat, _unprepared)
+    except Exception:
+        # A value whose metadata cannot be read: prepare's own error names it.
+        sig, payloads = scan(flat, prepare)
+        return _changed_message(keys, sig, payloads, mappings, gkey, path) + (True,)
+    sizes = [len(p) for s, p in zip(sig, payloads) if s is None]
+    with _sent_lock:
+        last = _SENT.get(gkey)
+    if (last is not None and last.keys == keys and last.sig == sig and last.sizes == sizes
+            and last.mappings == mappings):
+        return (last.items, payloads, last, ("ok", None, path, last.digest, last.token), False)
+    payloads = [p if s is None else prepare(p, k) for k, s, p in zip(keys, sig, payloads)]
+    return _changed_message(keys, sig, payloads, mappings, gkey, path) + (True,)
+
+
+def _prepared_entries(items: list, payloads: list, prepared: bool, sent: _Sent, mine: list,
+                      prepare: Callable) -> list:
+    """The C writer's entries of the items this rank writes."""
+    if prepared:
+        return [_Entry(i, payloads[i], items[i].nbytes) for i in mine]
+    sig, keys = sent.sig, sent.keys
+    return [_Entry(i, payloads[i] if sig[i] is None else prepare(payloads[i], keys[i]),
+                   items[i].nbytes) for i in mine]
+
+
+def _changed_message(keys: tuple, sig: list, payloads: list, mappings: dict, gkey: tuple,
+                     path: str) -> tuple:
+    sizes = [len(p) for s, p in zip(sig, payloads) if s is None]
+    with _sent_lock:
+        last = _SENT.get(gkey)
+    token = assign = None
+    if last is not None:
+        token, assign = last.token, last.assign
+    items = local_items(keys, sig, payloads)
+    blob = _blob(items, mappings)
+    sent = _Sent(keys, sig, sizes, dict(mappings), items, _digest(blob), token, assign)
+    return items, payloads, sent, ("ok", blob, path, sent.digest, token)
+
+
+class _Known(NamedTuple):
+    """A global plan the coordinator made, under the ranks' digests."""
+    digests: tuple
+    plan: GlobalPlan
+    blobs: dict      # digest -> encoded rank plan (each distinct one once)
+    tokens: list     # per rank: digest of its assignment
+
+
+# The coordinator's last global plans: a save whose ranks send the digests
+# of one of these reuses its global plan instead of decoding the items and
+# planning again.  Never changed once made (_commit copies the dicts it
+# hands out).  Bounded: 2 plans (and the encoded rank plans they were made
+# from, each distinct one once).
 _GLOBAL_PLANS: list = []
 _global_plans_lock = threading.Lock()
 
 
-def _reused_global_plan(blobs: tuple) -> Optional[GlobalPlan]:
+def _known_plan(digests: tuple) -> Optional[_Known]:
     with _global_plans_lock:
-        for known, plan in _GLOBAL_PLANS:
-            if known == blobs:
-                return plan
+        for known in _GLOBAL_PLANS:
+            if known.digests == digests:
+                return known
     return None
 
 
-def _remember_global_plan(blobs: tuple, plan: GlobalPlan) -> None:
+def _known_blob(digest: bytes) -> Optional[bytes]:
     with _global_plans_lock:
-        _GLOBAL_PLANS.insert(0, (blobs, plan))
+        for known in _GLOBAL_PLANS:
+            blob = known.blobs.get(digest)
+            if blob is not None:
+                return blob
+    return None
+
+
+def _remember_plan(known: _Known) -> None:
+    with _global_plans_lock:
+        _GLOBAL_PLANS.insert(0, known)
         del _GLOBAL_PLANS[2:]
 
 
 def _coordinate(writer: FileSystemWriter, gathered: list) -> tuple:
+    """(global plan, reply per rank).  Messages are ``("ok", blob, path[,
+    digest, held token])``, blob None when the rank sent only the digest.
+    The replies are ``("ok", prefix, assignment or None, token)``, or
+    ``("resend",)`` to every rank when a digest is not known here."""
     errors = [m[1] for m in gathered if m[0] != "ok"]
     if errors:
         return None, [("err", errors)] * len(gathered)
-    blobs = tuple(m[1] for m in gathered)
-    plan = _reused_global_plan(blobs)
-    if plan is None:
-        first = pickle.loads(blobs[0])
-        decoded = [first if b == blobs[0] else pickle.loads(b) for b in blobs]
-        plan = global_plan([d[0] for d in decoded], [d[1] for d in decoded])
-        _remember_global_plan(blobs, plan)
+    digests = []
+    fresh: dict = {}
+    last_blob = last_digest = None
+    for m in gathered:
+        blob = m[1]
+        if blob is None:
+            d = m[3]
+        elif last_blob is not None and (blob is last_blob or blob == last_blob):
+            d = last_digest  # replicated state: every rank sends the same bytes
+        else:
+            # Hashed here, not taken from the message: a digest names
+            # exactly these bytes.
+            d = _digest(blob)
+            fresh.setdefault(d, blob)
+            last_blob, last_digest = blob, d
+        digests.append(d)
+    digests = tuple(digests)
+    known = _known_plan(digests)
+    if known is None:
+        blobs = dict(fresh)
+        for d in digests:
+            if d not in blobs:
+                b = _known_blob(d)
+                if b is None:
+                    return None, [("resend",)] * len(gathered)
+                blobs[d] = b
+        decoded = {d: pickle.loads(b) for d, b in blobs.items()}
+        plans = [decoded[d] for d in digests]  # one object per distinct plan
+        plan = global_plan([p[0] for p in plans], [p[1] for p in plans])
+        tokens = [_digest(pickle.dumps(a, protocol=pickle.HIGHEST_PROTOCOL))
+                  for a in plan.assign]
+        known = _Known(digests, plan, blobs, tokens)
+        _remember_plan(known)
+    plan = known.plan
     tag = writer._tag()
-    replies = [("ok", writer._prefix(r, tag), plan.assign[r]) for r in range(len(blobs))]
+    replies = []
+    for r, m in enumerate(gathered):
+        held = m[4] if len(m) > 4 else None
+        tok = known.tokens[r]
+        replies.append(("ok", writer._prefix(r, tag), None if held == tok else plan.assign[r],
+                        tok))
     return plan, replies
 
 
