@@ -250,12 +250,16 @@ PyDoc_STRVAR(check_pickle_doc,
              "the data, no persistent ids, extensions or out-of-band buffers).");
 
 PyDoc_STRVAR(dump_metadata_doc,
-             "dump_metadata($module, metadata, kinds, protocol, /)\n--\n\n"
+             "dump_metadata($module, metadata, kinds, protocol, names=None, "
+             "tail=None, middle=None)\n--\n\n"
              "The pickle of a DCP Metadata object graph, written in C "
              "(csrc/mdpickle.c); it loads to objects equal to pickle.dumps's. "
              "kinds: {type: (kind, reducer)} for the non-builtin types "
              "(dcpx/_metadata.py builds it).  None when the graph holds "
-             "anything else: the caller then uses Python's pickler.");
+             "anything else: the caller then uses Python's pickler.  With "
+             "names (a tuple of str), the split form (csrc/mdpickle.c): "
+             "(bytes, start, end) of the metadata's part, or bytes when that "
+             "part is given as middle.");
 
 PyDoc_STRVAR(cuda_version_doc,
              "cuda_driver_version($module, /)\n--\n\n"
@@ -345,7 +349,8 @@ static PyMethodDef dcpx_methods[] = {
     {"cuda_stage_wait", dcpx_cuda_stage_wait, METH_O, cuda_stage_wait_doc},
     {"gate_stats", dcpx_gate_stats, METH_O, gate_stats_doc},
     {"check_pickle", dcpx_check_pickle, METH_VARARGS, check_pickle_doc},
-    {"dump_metadata", dcpx_dump_metadata, METH_VARARGS, dump_metadata_doc},
+    {"dump_metadata", (PyCFunction)(void (*)(void))dcpx_dump_metadata,
+     METH_VARARGS | METH_KEYWORDS, dump_metadata_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},
     {"stage_plain", (PyCFunction)(void (*)(void))dcpx_stage_plain,

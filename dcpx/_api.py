@@ -157,13 +157,15 @@ def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
 
 def _start_local(writer: FileSystemWriter, flat: dict, mappings: dict, prepare) -> tuple:
     """save_local's first half (call it with the collector paused): plan,
-    start the C writer threads, encode the metadata while they write.
-    (Metadata, PendingWrite, encoded metadata)."""
-    metadata, pending = plan_local_save(writer, flat, mappings, prepare)
-    pending.start()
+    start the C writer threads, build and encode the metadata while they
+    write.  (Metadata, PendingWrite, encoded metadata)."""
+    local = plan_local_save(writer, flat, mappings, prepare)
+    pending = local.pending.start()
     try:
+        metadata = local.metadata()
         data = writer.encode_metadata(metadata)
     except BaseException:
+        writer._splice = None
         pending.abort()
         raise
     return metadata, pending, data
@@ -183,6 +185,9 @@ def _save_fast(writer: FileSystemWriter, state_dict: dict, planner, no_dist: boo
             except BaseException:
                 writer._release_tag()
                 raise
+        # Freed before the collector resumes, so that it does not scan the
+        # flattening's objects (one key-path tuple per tensor).
+        del fast
     return _finish_local(writer, *started)
 
 

@@ -103,11 +103,13 @@ class FileSystemWriter(StorageWriter):
         # Called under the commit lock before the rename: a message means
         # "do not commit" (the checkpoint process of a dead parent sets it).
         self._commit_check: Optional[Any] = None
+        # Set by a single-process save for encode_metadata (dcpx._plan).
+        self._splice: Optional[_metadata.Splice] = None
 
     def __getstate__(self) -> dict:
         # A save's lock (a descriptor) and commit check stay in this process.
         state = self.__dict__.copy()
-        state["_save_lock"] = state["_commit_check"] = None
+        state["_save_lock"] = state["_commit_check"] = state["_splice"] = None
         return state
 
     # -- StorageWriter protocol ------------------------------------------
@@ -336,7 +338,10 @@ class FileSystemWriter(StorageWriter):
         return storage, sdm
 
     def encode_metadata(self, metadata: Metadata) -> bytes:
-        return _metadata.dumps(metadata)
+        # A single-process save's hint for reusing the last save's encoding
+        # (dcpx._metadata.Splice), if it left one for this metadata.
+        splice, self._splice = getattr(self, "_splice", None), None
+        return _metadata.dumps(metadata, splice)
 
     def commit(self, metadata: Metadata, data: Optional[bytes] = None) -> None:
         """Make the checkpoint visible atomically (dcpx._commit).  ``data``
