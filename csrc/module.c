@@ -261,6 +261,13 @@ PyDoc_STRVAR(dump_metadata_doc,
              "(bytes, start, end) of the metadata's part, or bytes when that "
              "part is given as middle.");
 
+PyDoc_STRVAR(scan_plain_doc,
+             "scan_plain($module, values, expect, direct, export, strided, cuda, /)\n--\n\n"
+             "(payloads, holes, same): the C writer's payload of each plain CPU "
+             "tensor of values as dcpx._pending._direct_payload makes it, None "
+             "at the indices in holes (left to Python), and whether every one "
+             "matches the plan signature expect (csrc/payloads.c).");
+
 PyDoc_STRVAR(cuda_version_doc,
              "cuda_driver_version($module, /)\n--\n\n"
              "Load the CUDA driver (libcuda.so.1, or $DCPX_LIBCUDA) and return "
@@ -351,6 +358,7 @@ static PyMethodDef dcpx_methods[] = {
     {"check_pickle", dcpx_check_pickle, METH_VARARGS, check_pickle_doc},
     {"dump_metadata", (PyCFunction)(void (*)(void))dcpx_dump_metadata,
      METH_VARARGS | METH_KEYWORDS, dump_metadata_doc},
+    {"scan_plain", dcpx_scan_plain, METH_VARARGS, scan_plain_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},
     {"stage_plain", (PyCFunction)(void (*)(void))dcpx_stage_plain,

@@ -40,9 +40,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _metadata
+from . import _C, _metadata
 from ._files import DCP_VERSION
-from ._pending import PendingWrite, tensor_payload, value_payload
+from ._pending import (
+    _DIRECT,
+    _TO_DLPACK,
+    PendingWrite,
+    staged_payload,
+    tensor_payload,
+    value_payload,
+)
 from .errors import CheckpointError
 
 
@@ -126,7 +133,7 @@ class LocalItem(NamedTuple):
     nbytes: int
 
 
-def scan(flat: dict, prepare: Callable) -> tuple[list, list]:
+def scan(flat: dict, prepare: Callable, expect: Optional[list] = None) -> tuple[Optional[list], list]:
     """One pass over a flat state dict: (signature, payloads).
 
     ``payloads[i]`` is the C writer's payload of the i-th value
@@ -134,25 +141,54 @@ def scan(flat: dict, prepare: Callable) -> tuple[list, list]:
     other value); ``signature[i]`` is what the plan depends on: None for a
     non-tensor, ``(dtype, shape, requires_grad, pinned)`` for a tensor saved
     whole, plus ``(offsets, sizes)`` for a DTensor's local chunk.  The
-    caller has checked ``plannable`` for every value."""
-    sig: list = []
-    payloads: list = []
-    add_sig, add_payload = sig.append, payloads.append
+    caller has checked ``plannable`` for every value.
+
+    ``expect``: a plan's signature; if the state dict has it, the signature
+    returned is None (not built).  Plain CPU tensors of the payload functions
+    of dcpx/_pending.py are looked at in one C pass (csrc/payloads.c,
+    ``_C.scan_plain``), the rest here."""
+    values = list(flat.values())
     cuda = torch.cuda.is_available()
-    for fqn, obj in flat.items():
-        tp = type(obj)
-        if tp is _Tensor or tp is _Parameter or (isinstance(obj, _Tensor) and not is_dtensor(obj)):
-            add_payload(prepare(obj, fqn))  # first: it refuses what has no metadata
-            add_sig((obj.dtype, obj.shape, obj.requires_grad, cuda and obj.is_pinned()))
-        elif isinstance(obj, _Tensor):
-            data, offsets, sizes = local_chunk(obj)
-            add_payload(prepare(data, fqn))
-            add_sig((obj.dtype, obj.shape, obj.requires_grad, cuda and data.is_pinned(),
-                     tuple(offsets), tuple(sizes)))
-        else:
-            add_payload(value_payload(obj, fqn))
-            add_sig(None)
-    return sig, payloads
+    if (prepare is tensor_payload or prepare is staged_payload) and _TO_DLPACK is not None:
+        payloads, todo, same = _C.scan_plain(values, expect, _DIRECT, _TO_DLPACK,
+                                             torch.strided, cuda)
+    else:
+        payloads, todo, same = [None] * len(values), range(len(values)), expect is not None
+    if todo:
+        keys = list(flat)
+        for i in todo:
+            p, s = _scan_one(values[i], keys[i], prepare, cuda)
+            payloads[i] = p
+            if same and s != expect[i]:
+                same = False
+    if same:
+        return None, payloads
+    return [_signature(v, cuda) for v in values], payloads
+
+
+def _scan_one(obj: Any, fqn: str, prepare: Callable, cuda: bool) -> tuple:
+    """(payload, signature entry) of one value (see ``scan``)."""
+    tp = type(obj)
+    if tp is _Tensor or tp is _Parameter or (isinstance(obj, _Tensor) and not is_dtensor(obj)):
+        p = prepare(obj, fqn)  # first: it refuses what has no metadata
+        return p, (obj.dtype, obj.shape, obj.requires_grad, cuda and obj.is_pinned())
+    if isinstance(obj, _Tensor):
+        data, offsets, sizes = local_chunk(obj)
+        p = prepare(data, fqn)
+        return p, (obj.dtype, obj.shape, obj.requires_grad, cuda and data.is_pinned(),
+                   tuple(offsets), tuple(sizes))
+    return value_payload(obj, fqn), None
+
+
+def _signature(obj: Any, cuda: bool) -> Optional[tuple]:
+    """``scan``'s signature entry of a value whose payload is made."""
+    if not isinstance(obj, _Tensor):
+        return None
+    if is_dtensor(obj):
+        data, offsets, sizes = local_chunk(obj)
+        return (obj.dtype, obj.shape, obj.requires_grad, cuda and data.is_pinned(),
+                tuple(offsets), tuple(sizes))
+    return (obj.dtype, obj.shape, obj.requires_grad, cuda and obj.is_pinned())
 
 
 def local_items(keys, sig: list, payloads: list) -> list[LocalItem]:
@@ -416,8 +452,10 @@ def plan_local_save(writer, flat: dict, mappings: dict,
     config = (bool(writer.single_file_per_rank), max(1, writer.thread_count))
     keys = tuple(flat)
     known = _cached_plan(config, keys)
-    sig, payloads = scan(flat, prepare)
-    plan = _plan_for(config, keys, sig, payloads, mappings, known)
+    sig, payloads = scan(flat, prepare, known.sig if known is not None else None)
+    plan = (known if sig is None and (mappings is known.mappings or mappings == known.mappings)
+            else _plan_for(config, keys, sig if sig is not None else known.sig, payloads,
+                           mappings, known))
     del sig
     names = tuple(f"{prefix}{i}.distcp" for i in range(len(plan.groups)))
     if plan.in_order:

@@ -1,0 +1,212 @@
+/* scan_plain: the C writer's payloads of a flat state dict's plain CPU
+ * tensors, and whether they still match a save plan's signature.
+ *
+ *   scan_plain(values, expect, direct, export, strided, cuda)
+ *       -> (payloads, holes, same)
+ *
+ * values: the flat state dict's values (a list; it keeps them alive).
+ * For each value that dcpx/_pending.py's _direct_payload would take (an
+ * exact torch.Tensor or torch.nn.Parameter, on the CPU, strided, not
+ * nested, not quantized, without conj or neg bit, of a dtype in `direct`,
+ * {dtype: storage type name}), payloads[i] is what it returns:
+ * (export(t), storage type), t detached first if it requires grad or is a
+ * Parameter; `export` is torch._C._to_dlpack_versioned.  Each value is
+ * looked at through its own getters (one C call each, no Python frame).
+ * Every other value, and one whose getters raise, is left to Python:
+ * payloads[i] is None and i is in `holes` (the checked path names what is
+ * wrong with it).
+ *
+ * expect: None, or the plan's signature (dcpx/_plan.py, scan): `same` is
+ * True when expect is given and every value handled here has expect[i] ==
+ * (dtype, shape, requires_grad, pinned) -- pinned asked only when `cuda`,
+ * else False -- as _plan.scan would build it.  The holes are the caller's
+ * to compare.
+ *
+ * Called with the GIL held, which it lets go of for a moment every 1024
+ * values (as stage_plain does), so other threads are not held for the
+ * whole scan.
+ */
+#include "dcpx.h"
+
+enum { G_CPU, G_LAYOUT, G_NESTED, G_QUANT, G_DTYPE, G_GRAD, G_SHAPE,
+       M_CONJ, M_NEG, M_DETACH, M_PINNED, N_NAMES };
+static const char *const names[N_NAMES] = {
+    "is_cpu", "layout", "is_nested", "is_quantized", "dtype", "requires_grad", "shape",
+    "is_conj", "is_neg", "detach", "is_pinned"};
+static PyObject *name_str[N_NAMES];
+static PyObject *tensor_type, *parameter_type;
+
+/* Attribute (or, from M_CONJ on, no-argument method) `which` of v: a new
+ * reference, or NULL with the error cleared. */
+static PyObject *get(PyObject *v, int which)
+{
+    PyObject *got = which >= M_CONJ
+        ? PyObject_VectorcallMethod(name_str[which], &v,
+                                    1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL)
+        : PyObject_GetAttr(v, name_str[which]);
+    if (got == NULL)
+        PyErr_Clear();
+    return got;
+}
+
+static int is(PyObject *v, int which, PyObject *want)
+{
+    PyObject *got = get(v, which);
+    int same = got == want;
+    Py_XDECREF(got);
+    return same;
+}
+
+static int setup(void)
+{
+    PyObject *torch, *nn;
+    for (int i = 0; i < N_NAMES; i++)
+        if (name_str[i] == NULL &&
+            (name_str[i] = PyUnicode_InternFromString(names[i])) == NULL)
+            return -1;
+    if (tensor_type != NULL)
+        return 0;
+    torch = PyImport_ImportModule("torch");
+    if (torch == NULL)
+        return -1;
+    tensor_type = PyObject_GetAttrString(torch, "Tensor");
+    nn = PyObject_GetAttrString(torch, "nn");
+    Py_DECREF(torch);
+    if (nn != NULL) {
+        parameter_type = PyObject_GetAttrString(nn, "Parameter");
+        Py_DECREF(nn);
+    }
+    if (tensor_type == NULL || parameter_type == NULL) {
+        Py_CLEAR(tensor_type);
+        Py_CLEAR(parameter_type);
+        return -1;
+    }
+    return 0;
+}
+
+/* The payload of v, a new reference; NULL with no exception when v is left
+ * to Python; NULL with an exception when detach() or export raised.  *dtype
+ * and *grad: borrowed (kept alive by v) for the signature. */
+static PyObject *payload(PyObject *v, PyObject *direct, PyObject *export,
+                         PyObject *strided, PyObject **dtype, PyObject **grad)
+{
+    PyObject *tp = (PyObject *)Py_TYPE(v), *stype, *d, *g, *t, *cap, *out;
+    if (tp != tensor_type && tp != parameter_type)
+        return NULL;
+    if (!is(v, G_CPU, Py_True) || !is(v, G_LAYOUT, strided) ||
+        !is(v, G_NESTED, Py_False) || !is(v, G_QUANT, Py_False) ||
+        !is(v, M_CONJ, Py_False) || !is(v, M_NEG, Py_False))
+        return NULL;
+    d = get(v, G_DTYPE);
+    if (d == NULL)
+        return NULL;
+    stype = PyDict_GetItemWithError(direct, d); /* borrowed */
+    Py_DECREF(d); /* one object per dtype, which torch holds for good */
+    if (stype == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    g = get(v, G_GRAD);
+    if (g == NULL)
+        return NULL;
+    Py_DECREF(g); /* Py_True or Py_False */
+    if (g == Py_True || tp != tensor_type) {
+        t = PyObject_VectorcallMethod(name_str[M_DETACH], &v,
+                                      1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (t == NULL)
+            return NULL;
+    }
+    else {
+        Py_INCREF(v);
+        t = v;
+    }
+    cap = PyObject_CallOneArg(export, t);
+    Py_DECREF(t);
+    if (cap == NULL)
+        return NULL;
+    out = PyTuple_Pack(2, cap, stype);
+    Py_DECREF(cap);
+    *dtype = d;
+    *grad = g;
+    return out;
+}
+
+/* Whether v's (dtype, shape, requires_grad, pinned) is e; -1 on error. */
+static int matches(PyObject *v, PyObject *e, PyObject *dtype, PyObject *grad, int cuda)
+{
+    PyObject *shape;
+    int eq;
+    if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 4 ||
+        PyTuple_GET_ITEM(e, 0) != dtype || PyTuple_GET_ITEM(e, 2) != grad)
+        return 0;
+    if (!cuda) {
+        if (PyTuple_GET_ITEM(e, 3) != Py_False)
+            return 0;
+    }
+    else if (!is(v, M_PINNED, PyTuple_GET_ITEM(e, 3)))
+        return 0;
+    shape = get(v, G_SHAPE);
+    if (shape == NULL)
+        return 0;
+    eq = PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(e, 1), Py_EQ);
+    Py_DECREF(shape);
+    if (eq < 0)
+        PyErr_Clear();
+    return eq == 1;
+}
+
+PyObject *dcpx_scan_plain(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    PyObject *values, *expect, *direct, *export, *strided;
+    PyObject *payloads = NULL, *holes = NULL;
+    int cuda, same;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "O!OO!OOp:scan_plain", &PyList_Type, &values,
+                          &expect, &PyDict_Type, &direct, &export, &strided, &cuda))
+        return NULL;
+    n = PyList_GET_SIZE(values);
+    if (expect != Py_None &&
+        (!PyList_Check(expect) || PyList_GET_SIZE(expect) != n)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "dcpx: scan_plain: expect must be None or a list as long as values");
+        return NULL;
+    }
+    if (setup() < 0)
+        return NULL;
+    same = expect != Py_None;
+    payloads = PyList_New(n);
+    holes = PyList_New(0);
+    if (payloads == NULL || holes == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyList_GET_ITEM(values, i), *dtype = NULL, *grad = NULL, *p;
+        if (i % 1024 == 1023) {
+            /* Let other threads run; `values` is the caller's own list. */
+            Py_BEGIN_ALLOW_THREADS
+            Py_END_ALLOW_THREADS
+        }
+        p = payload(v, direct, export, strided, &dtype, &grad);
+        if (p == NULL) {
+            PyObject *ix;
+            if (PyErr_Occurred())
+                goto fail;
+            Py_INCREF(Py_None);
+            PyList_SET_ITEM(payloads, i, Py_None);
+            ix = PyLong_FromSsize_t(i);
+            if (ix == NULL || PyList_Append(holes, ix) < 0) {
+                Py_XDECREF(ix);
+                goto fail;
+            }
+            Py_DECREF(ix);
+            continue;
+        }
+        PyList_SET_ITEM(payloads, i, p);
+        if (same && !matches(v, PyList_GET_ITEM(expect, i), dtype, grad, cuda))
+            same = 0;
+    }
+    return Py_BuildValue("(NNO)", payloads, holes, same ? Py_True : Py_False);
+fail:
+    Py_XDECREF(payloads);
+    Py_XDECREF(holes);
+    return NULL;
+}
