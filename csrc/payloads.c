@@ -11,10 +11,12 @@
  * {dtype: storage type name}), payloads[i] is what it returns:
  * (export(t), storage type), t detached first if it requires grad or is a
  * Parameter; `export` is torch._C._to_dlpack_versioned.  Each value is
- * looked at through its own getters (one C call each, no Python frame).
- * Every other value, and one whose getters raise, is left to Python:
+ * looked at through its own getters (one C call each, no Python frame);
+ * its device and shape are read from the export (a DLPack
+ * DLManagedTensorVersioned, dcpx.h), which costs no getter.  Every other
+ * value, and one whose getters or export raise, is left to Python:
  * payloads[i] is None and i is in `holes` (the checked path names what is
- * wrong with it).
+ * wrong with it, or raises the export's error).
  *
  * expect: None, or the plan's signature (dcpx/_plan.py, scan): `same` is
  * True when expect is given and every value handled here has expect[i] ==
@@ -28,10 +30,10 @@
  */
 #include "dcpx.h"
 
-enum { G_CPU, G_LAYOUT, G_NESTED, G_QUANT, G_DTYPE, G_GRAD, G_SHAPE,
+enum { G_LAYOUT, G_NESTED, G_QUANT, G_DTYPE, G_GRAD,
        M_CONJ, M_NEG, M_DETACH, M_PINNED, N_NAMES };
 static const char *const names[N_NAMES] = {
-    "is_cpu", "layout", "is_nested", "is_quantized", "dtype", "requires_grad", "shape",
+    "layout", "is_nested", "is_quantized", "dtype", "requires_grad",
     "is_conj", "is_neg", "detach", "is_pinned"};
 static PyObject *name_str[N_NAMES];
 static PyObject *tensor_type, *parameter_type;
@@ -85,17 +87,21 @@ static int setup(void)
 }
 
 /* The payload of v, a new reference; NULL with no exception when v is left
- * to Python; NULL with an exception when detach() or export raised.  *dtype
- * and *grad: borrowed (kept alive by v) for the signature. */
+ * to Python; NULL with an exception when detach() raised.  *dtype and
+ * *grad: borrowed (kept alive by v), *m: the exported tensor (kept alive
+ * by the payload), for the signature. */
 static PyObject *payload(PyObject *v, PyObject *direct, PyObject *export,
-                         PyObject *strided, PyObject **dtype, PyObject **grad)
+                         PyObject *strided, PyObject **dtype, PyObject **grad,
+                         const DLManagedTensorVersioned **m)
 {
     PyObject *tp = (PyObject *)Py_TYPE(v), *stype, *d, *g, *t, *cap, *out;
+    const DLManagedTensorVersioned *mt;
     if (tp != tensor_type && tp != parameter_type)
         return NULL;
-    if (!is(v, G_CPU, Py_True) || !is(v, G_LAYOUT, strided) ||
-        !is(v, G_NESTED, Py_False) || !is(v, G_QUANT, Py_False) ||
-        !is(v, M_CONJ, Py_False) || !is(v, M_NEG, Py_False))
+    /* is_cpu and shape are read from the export below. */
+    if (!is(v, G_LAYOUT, strided) || !is(v, G_NESTED, Py_False) ||
+        !is(v, G_QUANT, Py_False) || !is(v, M_CONJ, Py_False) ||
+        !is(v, M_NEG, Py_False))
         return NULL;
     d = get(v, G_DTYPE);
     if (d == NULL)
@@ -122,20 +128,31 @@ static PyObject *payload(PyObject *v, PyObject *direct, PyObject *export,
     }
     cap = PyObject_CallOneArg(export, t);
     Py_DECREF(t);
-    if (cap == NULL)
+    /* A tensor export refuses (a meta tensor, ...) is Python's to refuse,
+     * naming the key; one not on the CPU too (the capsule, unused, gives
+     * the tensor back when it goes). */
+    mt = cap != NULL && PyCapsule_IsValid(cap, "dltensor_versioned")
+        ? PyCapsule_GetPointer(cap, "dltensor_versioned") : NULL;
+    if (mt == NULL || mt->version.major != 1 ||
+        mt->dl_tensor.device.device_type != DCPX_DL_CPU) {
+        PyErr_Clear();
+        Py_XDECREF(cap);
         return NULL;
+    }
     out = PyTuple_Pack(2, cap, stype);
     Py_DECREF(cap);
     *dtype = d;
     *grad = g;
+    *m = mt;
     return out;
 }
 
-/* Whether v's (dtype, shape, requires_grad, pinned) is e; -1 on error. */
-static int matches(PyObject *v, PyObject *e, PyObject *dtype, PyObject *grad, int cuda)
+/* Whether (dtype, shape, requires_grad, pinned) of v is e; shape from m. */
+static int matches(PyObject *v, PyObject *e, PyObject *dtype, PyObject *grad, int cuda,
+                   const DLManagedTensorVersioned *m)
 {
     PyObject *shape;
-    int eq;
+    Py_ssize_t nd;
     if (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 4 ||
         PyTuple_GET_ITEM(e, 0) != dtype || PyTuple_GET_ITEM(e, 2) != grad)
         return 0;
@@ -145,14 +162,22 @@ static int matches(PyObject *v, PyObject *e, PyObject *dtype, PyObject *grad, in
     }
     else if (!is(v, M_PINNED, PyTuple_GET_ITEM(e, 3)))
         return 0;
-    shape = get(v, G_SHAPE);
-    if (shape == NULL)
+    shape = PyTuple_GET_ITEM(e, 1);
+    if (!PyTuple_Check(shape))
         return 0;
-    eq = PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(e, 1), Py_EQ);
-    Py_DECREF(shape);
-    if (eq < 0)
-        PyErr_Clear();
-    return eq == 1;
+    nd = PyTuple_GET_SIZE(shape);
+    if (nd != m->dl_tensor.ndim)
+        return 0;
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        int overflow = 0;
+        long long want = PyLong_Check(PyTuple_GET_ITEM(shape, i))
+            ? PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(shape, i), &overflow) : -1;
+        if (want == -1 && PyErr_Occurred())
+            PyErr_Clear();
+        if (overflow || want != m->dl_tensor.shape[i])
+            return 0;
+    }
+    return 1;
 }
 
 PyObject *dcpx_scan_plain(PyObject *Py_UNUSED(module), PyObject *args)
@@ -180,12 +205,13 @@ PyObject *dcpx_scan_plain(PyObject *Py_UNUSED(module), PyObject *args)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *v = PyList_GET_ITEM(values, i), *dtype = NULL, *grad = NULL, *p;
+        const DLManagedTensorVersioned *m = NULL;
         if (i % 1024 == 1023) {
             /* Let other threads run; `values` is the caller's own list. */
             Py_BEGIN_ALLOW_THREADS
             Py_END_ALLOW_THREADS
         }
-        p = payload(v, direct, export, strided, &dtype, &grad);
+        p = payload(v, direct, export, strided, &dtype, &grad, &m);
         if (p == NULL) {
             PyObject *ix;
             if (PyErr_Occurred())
@@ -201,7 +227,7 @@ PyObject *dcpx_scan_plain(PyObject *Py_UNUSED(module), PyObject *args)
             continue;
         }
         PyList_SET_ITEM(payloads, i, p);
-        if (same && !matches(v, PyList_GET_ITEM(expect, i), dtype, grad, cuda))
+        if (same && !matches(v, PyList_GET_ITEM(expect, i), dtype, grad, cuda, m))
             same = 0;
     }
     return Py_BuildValue("(NNO)", payloads, holes, same ? Py_True : Py_False);

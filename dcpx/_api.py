@@ -216,6 +216,8 @@ def fast_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
     if not fast_path_eligible(storage_writer, planner, no_dist):
         return None
     flat, mappings = flatten_state_dict(_stateful_to_state_dict(state_dict))
+    if _PLAIN_TENSOR_TYPES.issuperset(map(type, flat.values())):
+        return flat, mappings  # the common case, without a call per value
     for key, v in flat.items():
         if not _plan.plannable(v, False):
             if v.is_nested:  # jagged nested tensors are subclasses
