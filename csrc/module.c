@@ -262,7 +262,7 @@ PyDoc_STRVAR(dump_metadata_doc,
              "part is given as middle.");
 
 PyDoc_STRVAR(scan_plain_doc,
-             "scan_plain($module, values, expect, direct, export, strided, cuda, /)\n--\n\n"
+             "scan_plain($module, values, expect, direct, export, cuda, /)\n--\n\n"
              "(payloads, holes, same): the C writer's payload of each plain CPU "
              "tensor of values as dcpx._pending._direct_payload makes it, None "
              "at the indices in holes (left to Python), and whether every one "

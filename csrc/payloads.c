@@ -1,7 +1,7 @@
 /* scan_plain: the C writer's payloads of a flat state dict's plain CPU
  * tensors, and whether they still match a save plan's signature.
  *
- *   scan_plain(values, expect, direct, export, strided, cuda)
+ *   scan_plain(values, expect, direct, export, cuda)
  *       -> (payloads, holes, same)
  *
  * values: the flat state dict's values (a list; it keeps them alive).
@@ -30,11 +30,9 @@
  */
 #include "dcpx.h"
 
-enum { G_LAYOUT, G_NESTED, G_QUANT, G_DTYPE, G_GRAD,
-       M_CONJ, M_NEG, M_DETACH, M_PINNED, N_NAMES };
+enum { G_NESTED, G_DTYPE, G_GRAD, M_CONJ, M_NEG, M_DETACH, M_PINNED, N_NAMES };
 static const char *const names[N_NAMES] = {
-    "layout", "is_nested", "is_quantized", "dtype", "requires_grad",
-    "is_conj", "is_neg", "detach", "is_pinned"};
+    "is_nested", "dtype", "requires_grad", "is_conj", "is_neg", "detach", "is_pinned"};
 static PyObject *name_str[N_NAMES];
 static PyObject *tensor_type, *parameter_type;
 
@@ -91,17 +89,12 @@ static int setup(void)
  * *grad: borrowed (kept alive by v), *m: the exported tensor (kept alive
  * by the payload), for the signature. */
 static PyObject *payload(PyObject *v, PyObject *direct, PyObject *export,
-                         PyObject *strided, PyObject **dtype, PyObject **grad,
+                         PyObject **dtype, PyObject **grad,
                          const DLManagedTensorVersioned **m)
 {
     PyObject *tp = (PyObject *)Py_TYPE(v), *stype, *d, *g, *t, *cap, *out;
     const DLManagedTensorVersioned *mt;
     if (tp != tensor_type && tp != parameter_type)
-        return NULL;
-    /* is_cpu and shape are read from the export below. */
-    if (!is(v, G_LAYOUT, strided) || !is(v, G_NESTED, Py_False) ||
-        !is(v, G_QUANT, Py_False) || !is(v, M_CONJ, Py_False) ||
-        !is(v, M_NEG, Py_False))
         return NULL;
     d = get(v, G_DTYPE);
     if (d == NULL)
@@ -112,6 +105,14 @@ static PyObject *payload(PyObject *v, PyObject *direct, PyObject *export,
         PyErr_Clear();
         return NULL;
     }
+    /* No getter for what the dtype or the export answers: `direct` holds
+     * only dtypes of tensors check_saveable took (never a quantized one),
+     * and a tensor of any layout but strided has no storage, which the
+     * export refuses (sparse, mkldnn: tests/test_scan_plain.py).  is_cpu
+     * and shape are read from the export too. */
+    if (!is(v, G_NESTED, Py_False) || !is(v, M_CONJ, Py_False) ||
+        !is(v, M_NEG, Py_False))
+        return NULL;
     g = get(v, G_GRAD);
     if (g == NULL)
         return NULL;
@@ -182,12 +183,12 @@ static int matches(PyObject *v, PyObject *e, PyObject *dtype, PyObject *grad, in
 
 PyObject *dcpx_scan_plain(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    PyObject *values, *expect, *direct, *export, *strided;
+    PyObject *values, *expect, *direct, *export;
     PyObject *payloads = NULL, *holes = NULL;
     int cuda, same;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "O!OO!OOp:scan_plain", &PyList_Type, &values,
-                          &expect, &PyDict_Type, &direct, &export, &strided, &cuda))
+    if (!PyArg_ParseTuple(args, "O!OO!Op:scan_plain", &PyList_Type, &values,
+                          &expect, &PyDict_Type, &direct, &export, &cuda))
         return NULL;
     n = PyList_GET_SIZE(values);
     if (expect != Py_None &&
@@ -211,7 +212,7 @@ PyObject *dcpx_scan_plain(PyObject *Py_UNUSED(module), PyObject *args)
             Py_BEGIN_ALLOW_THREADS
             Py_END_ALLOW_THREADS
         }
-        p = payload(v, direct, export, strided, &dtype, &grad, &m);
+        p = payload(v, direct, export, &dtype, &grad, &m);
         if (p == NULL) {
             PyObject *ix;
             if (PyErr_Occurred())

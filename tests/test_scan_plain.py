@@ -38,6 +38,8 @@ def _values():
         "neg": c.conj().imag,
         "complex": c,
         "sparse": base.to_sparse(),
+        "csr": base.to_sparse_csr(),
+        "mkldnn": base.to_mkldnn(),
         "meta": torch.empty(3, device="meta"),
         "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
         "quantized": torch.quantize_per_tensor(base, 0.1, 0, torch.qint8),
@@ -75,7 +77,7 @@ def test_payloads_and_holes_are_direct_payloads():
     _direct_of_every_dtype(vals)
     values = list(vals.values())
     payloads, holes, same = _C.scan_plain(values, None, _pending._DIRECT,
-                                          _pending._TO_DLPACK, torch.strided, False)
+                                          _pending._TO_DLPACK, False)
     assert same is False
     assert len(payloads) == len(values)
     for i, (k, v) in enumerate(vals.items()):
@@ -85,13 +87,14 @@ def test_payloads_and_holes_are_direct_payloads():
     taken = {k for i, k in enumerate(vals) if i not in holes}
     assert {"plain", "0-d", "empty", "transposed", "offset view", "param", "grad",
             "complex"} <= taken
-    assert not taken & {"conj", "neg", "sparse", "meta", "nested", "quantized", "subclass",
+    assert not taken & {"conj", "neg", "sparse", "csr", "mkldnn", "meta", "nested",
+                        "quantized", "subclass",
                         "int", "str", "none"}
 
 
 def test_a_dtype_never_checked_is_left_to_python():
     t = torch.ones(3, dtype=torch.float64)
-    payloads, holes, _ = _C.scan_plain([t], None, {}, _pending._TO_DLPACK, torch.strided, False)
+    payloads, holes, _ = _C.scan_plain([t], None, {}, _pending._TO_DLPACK, False)
     assert payloads == [None] and holes == [0]
 
 
@@ -112,16 +115,15 @@ def test_signature_comparison(change, same):
         expect[0] = (torch.float32, torch.Size([2, 3]), False, True)
     elif change == "short":
         expect[1] = (torch.float32, torch.Size([4]), False, False, (0,), (4,))
-    _, holes, got = _C.scan_plain(vals, expect, _pending._DIRECT, _pending._TO_DLPACK,
-                                  torch.strided, False)
+    _, holes, got = _C.scan_plain(vals, expect, _pending._DIRECT, _pending._TO_DLPACK, False)
     assert holes == [] and got is same
 
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="expect"):
-        _C.scan_plain([torch.ones(1)], [], {}, _pending._TO_DLPACK, torch.strided, False)
+        _C.scan_plain([torch.ones(1)], [], {}, _pending._TO_DLPACK, False)
     with pytest.raises(TypeError):
-        _C.scan_plain((torch.ones(1),), None, {}, _pending._TO_DLPACK, torch.strided, False)
+        _C.scan_plain((torch.ones(1),), None, {}, _pending._TO_DLPACK, False)
 
 
 def test_an_export_that_raises_leaves_the_value_to_python():
@@ -129,7 +131,7 @@ def test_an_export_that_raises_leaves_the_value_to_python():
         raise RuntimeError("export failed")
     _direct_of_every_dtype({"x": torch.ones(2)})
     payloads, holes, same = _C.scan_plain([torch.ones(2)], None, _pending._DIRECT, boom,
-                                          torch.strided, False)
+                                          False)
     assert payloads == [None] and holes == [0] and same is False
 
 
