@@ -208,6 +208,7 @@ def _finish_local(writer: FileSystemWriter, metadata: Metadata, pending, data: b
         writer.commit(metadata, data)
     finally:
         writer._release_tag()  # a failed save's lock (commit releases its own)
+        writer._splice = None  # unused if a subclass's encode_metadata did not take it
     return metadata
 
 
