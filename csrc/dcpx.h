@@ -222,6 +222,7 @@ PyObject *dcpx_stage_plain(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_check_pickle(PyObject *module, PyObject *args);
 PyObject *dcpx_dump_metadata(PyObject *module, PyObject *args, PyObject *kwds);
 PyObject *dcpx_scan_plain(PyObject *module, PyObject *args);
+PyObject *dcpx_dlpack_dtype_key(PyObject *module, PyObject *cap);
 
 /* Run fn(arg) on nthreads threads (at most 64): nthreads - 1 new ones plus
  * the caller's, then join.  Workers share a counter in `arg`, so if a

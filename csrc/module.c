@@ -262,11 +262,16 @@ PyDoc_STRVAR(dump_metadata_doc,
              "part is given as middle.");
 
 PyDoc_STRVAR(scan_plain_doc,
-             "scan_plain($module, values, expect, direct, export, cuda, /)\n--\n\n"
+             "scan_plain($module, values, expect, direct, dl_dtypes, export, cuda, /)\n--\n\n"
              "(payloads, holes, same): the C writer's payload of each plain CPU "
              "tensor of values as dcpx._pending._direct_payload makes it, None "
              "at the indices in holes (left to Python), and whether every one "
              "matches the plan signature expect (csrc/payloads.c).");
+
+PyDoc_STRVAR(dlpack_dtype_key_doc,
+             "dlpack_dtype_key($module, capsule, /)\n--\n\n"
+             "The key of an unused DLPack capsule's dtype in scan_plain's "
+             "dl_dtypes, or -1 (csrc/payloads.c).");
 
 PyDoc_STRVAR(cuda_version_doc,
              "cuda_driver_version($module, /)\n--\n\n"
@@ -359,6 +364,7 @@ static PyMethodDef dcpx_methods[] = {
     {"dump_metadata", (PyCFunction)(void (*)(void))dcpx_dump_metadata,
      METH_VARARGS | METH_KEYWORDS, dump_metadata_doc},
     {"scan_plain", dcpx_scan_plain, METH_VARARGS, scan_plain_doc},
+    {"dlpack_dtype_key", dcpx_dlpack_dtype_key, METH_O, dlpack_dtype_key_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},
     {"stage_plain", (PyCFunction)(void (*)(void))dcpx_stage_plain,

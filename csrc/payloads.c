@@ -1,7 +1,7 @@
 /* scan_plain: the C writer's payloads of a flat state dict's plain CPU
  * tensors, and whether they still match a save plan's signature.
  *
- *   scan_plain(values, expect, direct, export, cuda)
+ *   scan_plain(values, expect, direct, dl_dtypes, export, cuda)
  *       -> (payloads, holes, same)
  *
  * values: the flat state dict's values (a list; it keeps them alive).
@@ -12,8 +12,11 @@
  * (export(t), storage type), t detached first if it requires grad or is a
  * Parameter; `export` is torch._C._to_dlpack_versioned.  Each value is
  * looked at through its own getters (one C call each, no Python frame);
- * its device and shape are read from the export (a DLPack
- * DLManagedTensorVersioned, dcpx.h), which costs no getter.  Every other
+ * its device, shape and dtype are read from the export (a DLPack
+ * DLManagedTensorVersioned, dcpx.h), which costs no getter: `dl_dtypes`
+ * maps dlpack_dtype_key() of a DLPack dtype to the one torch dtype that
+ * exports as it (dcpx/_pending.py builds it over every torch dtype and
+ * leaves out a DLPack dtype two share); one not in it is asked for.  Every other
  * value, and one whose getters or export raise, is left to Python:
  * payloads[i] is None and i is in `holes` (the checked path names what is
  * wrong with it, or raises the export's error).
@@ -34,6 +37,8 @@ enum { G_NESTED, G_DTYPE, G_GRAD, M_CONJ, M_NEG, M_DETACH, M_PINNED, N_NAMES };
 static const char *const names[N_NAMES] = {
     "is_nested", "dtype", "requires_grad", "is_conj", "is_neg", "detach", "is_pinned"};
 static PyObject *name_str[N_NAMES];
+
+#define DLPACK_COMPLEX 5 /* kDLComplex */
 static PyObject *tensor_type, *parameter_type;
 
 /* Attribute (or, from M_CONJ on, no-argument method) `which` of v: a new
@@ -84,34 +89,58 @@ static int setup(void)
     return 0;
 }
 
+/* The key of a DLPack dtype in scan_plain's `dl_dtypes`: small (a cached
+ * int) for the usual codes, -1 for one that has none (lanes, odd bits). */
+static long dtype_key(DLDataType t)
+{
+    if (t.lanes != 1 || t.bits == 0 || t.bits % 8 || t.bits / 8 >= 32)
+        return -1;
+    return (long)t.code * 32 + t.bits / 8;
+}
+
+/* The torch dtype of an exported tensor (borrowed): from `dl_dtypes`, or,
+ * for a DLPack dtype not in it, from the tensor's dtype getter (a new
+ * reference, dropped at once: one object per dtype, which torch holds for
+ * good).  NULL with no exception when neither answers. */
+static PyObject *dtype_of(PyObject *v, const DLManagedTensorVersioned *m, PyObject *dl_dtypes)
+{
+    long key = dtype_key(m->dl_tensor.dtype);
+    PyObject *d = NULL;
+    if (key >= 0) {
+        PyObject *k = PyLong_FromLong(key);
+        if (k == NULL) {
+            PyErr_Clear();
+            return NULL;
+        }
+        d = PyDict_GetItemWithError(dl_dtypes, k);
+        Py_DECREF(k);
+        if (d != NULL)
+            return d;
+        PyErr_Clear();
+    }
+    d = get(v, G_DTYPE);
+    Py_XDECREF(d);
+    return d;
+}
+
 /* The payload of v, a new reference; NULL with no exception when v is left
  * to Python; NULL with an exception when detach() raised.  *dtype and
- * *grad: borrowed (kept alive by v), *m: the exported tensor (kept alive
- * by the payload), for the signature. */
-static PyObject *payload(PyObject *v, PyObject *direct, PyObject *export,
-                         PyObject **dtype, PyObject **grad,
+ * *grad: borrowed (one object per dtype; Py_True or Py_False), *m: the
+ * exported tensor (kept alive by the payload), for the signature. */
+static PyObject *payload(PyObject *v, PyObject *direct, PyObject *dl_dtypes,
+                         PyObject *export, PyObject **dtype, PyObject **grad,
                          const DLManagedTensorVersioned **m)
 {
     PyObject *tp = (PyObject *)Py_TYPE(v), *stype, *d, *g, *t, *cap, *out;
     const DLManagedTensorVersioned *mt;
     if (tp != tensor_type && tp != parameter_type)
         return NULL;
-    d = get(v, G_DTYPE);
-    if (d == NULL)
-        return NULL;
-    stype = PyDict_GetItemWithError(direct, d); /* borrowed */
-    Py_DECREF(d); /* one object per dtype, which torch holds for good */
-    if (stype == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    /* No getter for what the dtype or the export answers: `direct` holds
-     * only dtypes of tensors check_saveable took (never a quantized one),
-     * and a tensor of any layout but strided has no storage, which the
-     * export refuses (sparse, mkldnn: tests/test_scan_plain.py).  is_cpu
-     * and shape are read from the export too. */
-    if (!is(v, G_NESTED, Py_False) || !is(v, M_CONJ, Py_False) ||
-        !is(v, M_NEG, Py_False))
+    /* Getters only for what the export does not answer: is_cpu, shape and
+     * (through `dl_dtypes`) dtype are read from it; `direct` holds only
+     * dtypes of tensors check_saveable took (never a quantized one); a
+     * tensor of any layout but strided has no storage, which the export
+     * refuses (sparse, mkldnn: tests/test_scan_plain.py). */
+    if (!is(v, G_NESTED, Py_False) || !is(v, M_NEG, Py_False))
         return NULL;
     g = get(v, G_GRAD);
     if (g == NULL)
@@ -130,12 +159,20 @@ static PyObject *payload(PyObject *v, PyObject *direct, PyObject *export,
     cap = PyObject_CallOneArg(export, t);
     Py_DECREF(t);
     /* A tensor export refuses (a meta tensor, ...) is Python's to refuse,
-     * naming the key; one not on the CPU too (the capsule, unused, gives
-     * the tensor back when it goes). */
+     * naming the key; one not on the CPU, or of a dtype never checked, too
+     * (the capsule, unused, gives the tensor back when it goes). */
     mt = cap != NULL && PyCapsule_IsValid(cap, "dltensor_versioned")
         ? PyCapsule_GetPointer(cap, "dltensor_versioned") : NULL;
-    if (mt == NULL || mt->version.major != 1 ||
-        mt->dl_tensor.device.device_type != DCPX_DL_CPU) {
+    d = mt != NULL && mt->version.major == 1 &&
+        mt->dl_tensor.device.device_type == DCPX_DL_CPU
+        ? dtype_of(v, mt, dl_dtypes) : NULL;
+    stype = d != NULL ? PyDict_GetItemWithError(direct, d) : NULL; /* borrowed */
+    /* Only a complex tensor can have the conj bit (is_conj() costs as much
+     * as an export: it parses its arguments). */
+    if (stype != NULL && mt->dl_tensor.dtype.code == DLPACK_COMPLEX &&
+        !is(v, M_CONJ, Py_False))
+        stype = NULL;
+    if (stype == NULL) {
         PyErr_Clear();
         Py_XDECREF(cap);
         return NULL;
@@ -146,6 +183,22 @@ static PyObject *payload(PyObject *v, PyObject *direct, PyObject *export,
     *grad = g;
     *m = mt;
     return out;
+}
+
+/* dlpack_dtype_key(capsule): dtype_key of an unused DLPack capsule's
+ * tensor (not consumed), or -1; for dcpx/_pending.py's table of which
+ * DLPack dtype is which torch dtype. */
+PyObject *dcpx_dlpack_dtype_key(PyObject *Py_UNUSED(module), PyObject *cap)
+{
+    const DLManagedTensorVersioned *m;
+    if (!PyCapsule_IsValid(cap, "dltensor_versioned")) {
+        PyErr_SetString(PyExc_TypeError, "dcpx: expected an unused dltensor_versioned capsule");
+        return NULL;
+    }
+    m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+    if (m == NULL)
+        return NULL;
+    return PyLong_FromLong(m->version.major == 1 ? dtype_key(m->dl_tensor.dtype) : -1);
 }
 
 /* Whether (dtype, shape, requires_grad, pinned) of v is e; shape from m. */
@@ -183,12 +236,13 @@ static int matches(PyObject *v, PyObject *e, PyObject *dtype, PyObject *grad, in
 
 PyObject *dcpx_scan_plain(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    PyObject *values, *expect, *direct, *export;
+    PyObject *values, *expect, *direct, *dl_dtypes, *export;
     PyObject *payloads = NULL, *holes = NULL;
     int cuda, same;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "O!OO!Op:scan_plain", &PyList_Type, &values,
-                          &expect, &PyDict_Type, &direct, &export, &cuda))
+    if (!PyArg_ParseTuple(args, "O!OO!O!Op:scan_plain", &PyList_Type, &values,
+                          &expect, &PyDict_Type, &direct, &PyDict_Type, &dl_dtypes,
+                          &export, &cuda))
         return NULL;
     n = PyList_GET_SIZE(values);
     if (expect != Py_None &&
@@ -212,7 +266,7 @@ PyObject *dcpx_scan_plain(PyObject *Py_UNUSED(module), PyObject *args)
             Py_BEGIN_ALLOW_THREADS
             Py_END_ALLOW_THREADS
         }
-        p = payload(v, direct, export, &dtype, &grad, &m);
+        p = payload(v, direct, dl_dtypes, export, &dtype, &grad, &m);
         if (p == NULL) {
             PyObject *ix;
             if (PyErr_Occurred())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import io
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -74,6 +75,32 @@ def _direct_payload(t: torch.Tensor) -> Optional[tuple]:
                 t = t.detach()
             return (_TO_DLPACK(t), stype)
     return None
+
+
+_DL_DTYPES: dict = {}
+
+
+def dl_dtypes() -> dict:
+    """{_C.dlpack_dtype_key: torch dtype} for _C.scan_plain: which torch
+    dtype a DLPack export's dtype is, for every DLPack dtype that exactly
+    one torch dtype exports as (built once, over every torch dtype: a
+    DLPack dtype two of them share is left out, and then asked of the
+    tensor)."""
+    if not _DL_DTYPES and _TO_DLPACK is not None:
+        seen: dict = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated dtypes say so when made
+            for d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+                try:
+                    key = _C.dlpack_dtype_key(_TO_DLPACK(torch.empty(1, dtype=d)))
+                except Exception:  # not exportable (or not creatable): asked of the tensor
+                    continue
+                if key >= 0:
+                    seen.setdefault(key, set()).add(d)
+        _DL_DTYPES.update({k: next(iter(ds)) for k, ds in seen.items() if len(ds) == 1})
+        if not _DL_DTYPES:
+            _DL_DTYPES[-1] = None  # built: nothing unambiguous
+    return _DL_DTYPES
 
 
 def _remember(dtype: torch.dtype, stype: str) -> None:

@@ -46,6 +46,7 @@ from ._pending import (
     _DIRECT,
     _TO_DLPACK,
     PendingWrite,
+    dl_dtypes,
     staged_payload,
     tensor_payload,
     value_payload,
@@ -150,7 +151,8 @@ def scan(flat: dict, prepare: Callable, expect: Optional[list] = None) -> tuple[
     values = list(flat.values())
     cuda = torch.cuda.is_available()
     if (prepare is tensor_payload or prepare is staged_payload) and _TO_DLPACK is not None:
-        payloads, todo, same = _C.scan_plain(values, expect, _DIRECT, _TO_DLPACK, cuda)
+        payloads, todo, same = _C.scan_plain(values, expect, _DIRECT, dl_dtypes(), _TO_DLPACK,
+                                             cuda)
     else:
         payloads, todo, same = [None] * len(values), range(len(values)), expect is not None
     if todo:

@@ -77,7 +77,7 @@ def test_payloads_and_holes_are_direct_payloads():
     _direct_of_every_dtype(vals)
     values = list(vals.values())
     payloads, holes, same = _C.scan_plain(values, None, _pending._DIRECT,
-                                          _pending._TO_DLPACK, False)
+                                          _pending.dl_dtypes(), _pending._TO_DLPACK, False)
     assert same is False
     assert len(payloads) == len(values)
     for i, (k, v) in enumerate(vals.items()):
@@ -94,7 +94,8 @@ def test_payloads_and_holes_are_direct_payloads():
 
 def test_a_dtype_never_checked_is_left_to_python():
     t = torch.ones(3, dtype=torch.float64)
-    payloads, holes, _ = _C.scan_plain([t], None, {}, _pending._TO_DLPACK, False)
+    payloads, holes, _ = _C.scan_plain([t], None, {}, _pending.dl_dtypes(),
+                                       _pending._TO_DLPACK, False)
     assert payloads == [None] and holes == [0]
 
 
@@ -115,23 +116,24 @@ def test_signature_comparison(change, same):
         expect[0] = (torch.float32, torch.Size([2, 3]), False, True)
     elif change == "short":
         expect[1] = (torch.float32, torch.Size([4]), False, False, (0,), (4,))
-    _, holes, got = _C.scan_plain(vals, expect, _pending._DIRECT, _pending._TO_DLPACK, False)
+    _, holes, got = _C.scan_plain(vals, expect, _pending._DIRECT, _pending.dl_dtypes(),
+                                  _pending._TO_DLPACK, False)
     assert holes == [] and got is same
 
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="expect"):
-        _C.scan_plain([torch.ones(1)], [], {}, _pending._TO_DLPACK, False)
+        _C.scan_plain([torch.ones(1)], [], {}, {}, _pending._TO_DLPACK, False)
     with pytest.raises(TypeError):
-        _C.scan_plain((torch.ones(1),), None, {}, _pending._TO_DLPACK, False)
+        _C.scan_plain((torch.ones(1),), None, {}, {}, _pending._TO_DLPACK, False)
 
 
 def test_an_export_that_raises_leaves_the_value_to_python():
     def boom(t):
         raise RuntimeError("export failed")
     _direct_of_every_dtype({"x": torch.ones(2)})
-    payloads, holes, same = _C.scan_plain([torch.ones(2)], None, _pending._DIRECT, boom,
-                                          False)
+    payloads, holes, same = _C.scan_plain([torch.ones(2)], None, _pending._DIRECT,
+                                          _pending.dl_dtypes(), boom, False)
     assert payloads == [None] and holes == [0] and same is False
 
 
@@ -164,3 +166,42 @@ def test_plan_scan_matches_the_python_scan(tmp_path):
     md = dcpx.save({k: v for k, v in flat.items() if k not in ("subclass",)},
                    checkpoint_id=tmp_path / "c")
     assert len(md.state_dict_metadata) == len(flat) - 1
+
+
+def test_dl_dtype_table_names_each_dlpack_dtype_by_its_one_torch_dtype():
+    """Every entry is the one torch dtype whose tensors export with that
+    DLPack dtype; a DLPack dtype two torch dtypes share is not in it (the
+    tensor's dtype getter answers then)."""
+    table = _pending.dl_dtypes()
+    keys = {}
+    for d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+        try:
+            keys.setdefault(_C.dlpack_dtype_key(_pending._TO_DLPACK(torch.empty(1, dtype=d))),
+                            set()).add(d)
+        except Exception:
+            pass
+    assert torch.float32 in table.values()
+    for k, d in table.items():
+        assert keys[k] == {d}
+    for k, ds in keys.items():
+        assert (k in table) == (len(ds) == 1 and k >= 0)
+
+
+def test_dtypes_the_table_leaves_out_are_asked_of_the_tensor():
+    """int8 and uint8 share their DLPack dtype with the sub-byte dtypes on
+    this torch: scan_plain asks the tensor, and the payload names it."""
+    vals = [torch.ones(3, dtype=torch.int8), torch.ones(3, dtype=torch.uint8),
+            torch.ones(3, dtype=torch.bool), torch.ones(3)]
+    _direct_of_every_dtype(dict(enumerate(vals)))
+    expect = [(v.dtype, v.shape, False, False) for v in vals]
+    payloads, holes, same = _C.scan_plain(vals, expect, _pending._DIRECT, _pending.dl_dtypes(),
+                                          _pending._TO_DLPACK, False)
+    assert holes == [] and same is True
+    for v, p in zip(vals, payloads):
+        assert p[1] == _pending._direct_payload(v)[1]
+        assert torch.from_dlpack(p[0]).dtype == v.dtype
+    # and a table that lies about a dtype is believed: it must be exact
+    wrong = {k: torch.float64 for k in _pending.dl_dtypes()}
+    _, _, same = _C.scan_plain(vals[3:], expect[3:], _pending._DIRECT, wrong,
+                               _pending._TO_DLPACK, False)
+    assert same is False
