@@ -464,5 +464,5 @@ def plan_local_save(writer, flat: dict, mappings: dict,
     else:
         groups = [[payloads[i] for i in g] for g in plan.groups]
     del payloads
-    pending = PendingWrite.of_payloads(writer, list(names), groups)
+    pending = writer.write_payloads(list(names), groups)
     return LocalSave(writer, plan, pending, names)
