@@ -134,7 +134,8 @@ class LocalItem(NamedTuple):
     nbytes: int
 
 
-def scan(flat: dict, prepare: Callable, expect: Optional[list] = None) -> tuple[Optional[list], list]:
+def scan(flat: dict, prepare: Callable,
+         expect: Optional[list] = None) -> tuple[Optional[list], list]:
     """One pass over a flat state dict: (signature, payloads).
 
     ``payloads[i]`` is the C writer's payload of the i-th value
