@@ -3,9 +3,11 @@
 in one run (A/B interleaved: the machine's load changes over minutes).
 
     python3 benchmarks/bench_save_ab.py TREE_A TREE_B [--rounds 4] [--saves 3] [--count 20000]
+                                        [--case small|tiny]
 
 Each round runs one process per tree, in alternating order; a process
-imports dcpx from its tree, saves bench_io's make_small(count) once
+imports dcpx from its tree, saves bench_io's make_small(count) (or
+make_tiny(count), --case tiny) once
 (untimed: the plan cache is then warm, as from a training loop's second
 save), then `--saves` times into fresh directories, each followed by the
 write+fsync limit of the same bytes (bench_io.limit_write).  Prints, per
@@ -24,13 +26,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 CHILD = r"""
 import gc, json, os, shutil, sys, time
-tree, saves, count, work = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+tree, saves, count, work, case = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 sys.path.insert(0, tree)
 sys.path.insert(0, HERE)
 import bench_io
 import dcpx
 assert os.path.abspath(dcpx.__file__).startswith(os.path.abspath(tree)), dcpx.__file__
-sd = bench_io.make_small(count)
+sd = bench_io.make_small(count) if case == 'small' else bench_io.make_tiny(count)
 src, _ = bench_io.limit_buffers(sd, bench_io.empty_like_sd(sd))
 dcpx.save(sd, checkpoint_id=os.path.join(work, "warm"))
 out = {"save": [], "cpu": [], "limit": []}
@@ -55,6 +57,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--count", type=int, default=20000)
+    ap.add_argument("--case", choices=["small", "tiny"], default="small")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     args = ap.parse_args()
     res = {t: {"save": [], "cpu": [], "limit": []} for t in args.trees}
@@ -62,11 +65,11 @@ def main():
         for tree in (args.trees if r % 2 == 0 else args.trees[::-1]):
             with tempfile.TemporaryDirectory(dir=args.workdir) as work:
                 got = subprocess.run([sys.executable, "-c", CHILD, tree, str(args.saves),
-                                      str(args.count), work],
+                                      str(args.count), work, args.case],
                                      check=True, capture_output=True, text=True).stdout
             for k, v in json.loads(got.splitlines()[-1]).items():
                 res[tree][k] += v
-    print(f"{args.count} tensors (bench_io make_small), {args.rounds} rounds x {args.saves} saves "
+    print(f"{args.count} tensors (bench_io make_{args.case}), {args.rounds} rounds x {args.saves} saves "
           f"per tree, alternating; ms")
     for tree, d in res.items():
         s, c, lim = d["save"], d["cpu"], d["limit"]
