@@ -166,18 +166,20 @@ static PyObject *payload(PyObject *v, PyObject *direct, PyObject *dl_dtypes,
     d = mt != NULL && mt->version.major == 1 &&
         mt->dl_tensor.device.device_type == DCPX_DL_CPU
         ? dtype_of(v, mt, dl_dtypes) : NULL;
-    stype = d != NULL ? PyDict_GetItemWithError(direct, d) : NULL; /* borrowed */
+    stype = d != NULL ? PyDict_GetItemWithError(direct, d) : NULL;
+    Py_XINCREF(stype); /* held: is_conj() below may run Python code (a mode) */
     /* Only a complex tensor can have the conj bit (is_conj() costs as much
      * as an export: it parses its arguments). */
     if (stype != NULL && mt->dl_tensor.dtype.code == DLPACK_COMPLEX &&
         !is(v, M_CONJ, Py_False))
-        stype = NULL;
+        Py_CLEAR(stype);
     if (stype == NULL) {
         PyErr_Clear();
         Py_XDECREF(cap);
         return NULL;
     }
     out = PyTuple_Pack(2, cap, stype);
+    Py_DECREF(stype);
     Py_DECREF(cap);
     *dtype = d;
     *grad = g;

@@ -205,3 +205,27 @@ def test_dtypes_the_table_leaves_out_are_asked_of_the_tensor():
     _, _, same = _C.scan_plain(vals[3:], expect[3:], _pending._DIRECT, wrong,
                                _pending._TO_DLPACK, False)
     assert same is False
+
+
+def test_reference_counts_are_kept_on_every_path():
+    """Taken, left to Python, refused by the export, conj (asked after the
+    export): the values, dtypes and storage type names are held as before
+    once the payloads are gone."""
+    import sys
+    c = torch.randn(3, dtype=torch.complex64)
+    vals = [torch.ones(2), torch.nn.Parameter(torch.ones(2)), c, c.conj(),
+            torch.empty(1, device="meta"), ["not a tensor"]]
+    _direct_of_every_dtype(dict(enumerate(vals)))
+    stype = _pending._DIRECT[torch.float32]
+    expect = [(torch.float32, torch.Size([2]), False, False)] * 2 + [None] * 4
+
+    def counts():
+        return ([sys.getrefcount(v) for v in vals], sys.getrefcount(stype),
+                sys.getrefcount(torch.float32))
+    before = counts()
+    for _ in range(50):
+        out = _C.scan_plain(vals, expect, _pending._DIRECT, _pending.dl_dtypes(),
+                            _pending._TO_DLPACK, False)
+        assert out[1] == [3, 4, 5]
+        del out
+    assert counts() == before
