@@ -36,6 +36,7 @@ SOURCES = [
     "csrc/gate.c",
     "csrc/files.c",
     "csrc/flatten.c",
+    "csrc/payloads.c",
 ]
 
 cflags = ["-std=c11", "-D_GNU_SOURCE", "-Wall", "-Wextra", "-fvisibility=hidden"]

@@ -250,7 +250,9 @@ int dcpx_mdindex_find(const dcpx_mdindex *ix, const char *key, Py_ssize_t len,
                       Py_ssize_t *cursor, dcpx_md_tensor *out);
 Py_ssize_t dcpx_mdindex_nfiles(const dcpx_mdindex *ix);
 Py_ssize_t dcpx_mdindex_nstorage(const dcpx_mdindex *ix);
-PyObject *dcpx_dump_metadata(PyObject *module, PyObject *args);
+PyObject *dcpx_dump_metadata(PyObject *module, PyObject *args, PyObject *kwds);
+PyObject *dcpx_scan_plain(PyObject *module, PyObject *args);
+PyObject *dcpx_dlpack_dtype_key(PyObject *module, PyObject *cap);
 
 /* Run fn(arg) on nthreads threads (at most 64): nthreads - 1 new ones plus
  * the caller's, then join.  Workers share a counter in `arg`, so if a

@@ -72,6 +72,7 @@ typedef struct {
     int framing;
     memo_slot *memo; /* open addressing, cap a power of two */
     size_t memo_cap, memo_used;
+    int nomemo;       /* write no MEMOIZE and no memo reference (a tail) */
     PyObject *kinds;  /* borrowed: {type: (kind, reducer)} */
     PyObject *proto;  /* owned: the protocol as an int */
     /* owned, interned: _StorageInfo's attribute names (enc_storage) */
@@ -172,7 +173,10 @@ static size_t slot_of(const enc *e, PyObject *o)
 
 static long memo_find(const enc *e, PyObject *o)
 {
-    size_t i = slot_of(e, o);
+    size_t i;
+    if (e->nomemo)
+        return -1;
+    i = slot_of(e, o);
     return e->memo[i].key == o ? (long)e->memo[i].idx : -1;
 }
 
@@ -198,6 +202,8 @@ static int memo_grow(enc *e)
 static int memo_put(enc *e, PyObject *o)
 {
     size_t i;
+    if (e->nomemo)
+        return 0;
     if (e->memo_used >= UINT32_MAX) {
         PyErr_SetString(PyExc_OverflowError, "dcpx: metadata memo too large");
         return ERR;
@@ -785,17 +791,83 @@ static int enc_ref(enc *e, PyObject *o)
     return rc;
 }
 
-PyObject *dcpx_dump_metadata(PyObject *Py_UNUSED(module), PyObject *args)
+/* The split form (names given): the stream is
+ *
+ *   PROTO | names: each str, MEMOIZE, POP (memo 0 .. n-1) | obj (whose
+ *   BUILD leaves it on the stack) | tail, BUILD | STOP
+ *
+ * each part in frames of its own.  obj refers to a name by its memo index
+ * only (the names are memoized before it, and an object is looked up in
+ * the memo by identity), and the tail, a second state for obj (BUILD
+ * updates the instance dict), is written without the memo: so the bytes of
+ * obj do not depend on the names' text or on the tail, and a caller that
+ * has them from an earlier call with as many names passes them as
+ * `middle` instead of encoding obj again (dcpx/_metadata.py, "Reuse of the
+ * encoded body"). */
+static int enc_names(enc *e, PyObject *names)
 {
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *s = PyTuple_GET_ITEM(names, i);
+        int rc;
+        if (!PyUnicode_CheckExact(s)) {
+            PyErr_SetString(PyExc_TypeError, "dcpx: dump_metadata: names must be str");
+            return ERR;
+        }
+        if (memo_find(e, s) >= 0) {
+            PyErr_SetString(PyExc_ValueError, "dcpx: dump_metadata: a name is given twice");
+            return ERR;
+        }
+        /* enc_str memoizes only what is shared: this one must be. */
+        rc = enc_str(e, s);
+        if (rc < 0)
+            return rc;
+        if (memo_find(e, s) < 0 && memo_put(e, s) < 0)
+            return ERR;
+        if (put1(e, '0') < 0) /* POP */
+            return ERR;
+    }
+    commit_frame(e);
+    return 0;
+}
+
+/* Append bytes already encoded (complete frames) outside any frame. */
+static int put_raw(enc *e, PyObject *b)
+{
+    int rc;
+    commit_frame(e);
+    e->framing = 0;
+    rc = put(e, PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(b));
+    e->framing = 1;
+    return rc;
+}
+
+PyObject *dcpx_dump_metadata(PyObject *Py_UNUSED(module), PyObject *args,
+                             PyObject *kwds)
+{
+    static char *kwlist[] = {"metadata", "kinds", "protocol", "names", "tail",
+                             "middle", NULL};
     enc e;
-    PyObject *obj, *kinds, *out = NULL;
+    PyObject *obj, *kinds, *out = NULL, *names = Py_None, *tail = Py_None;
+    PyObject *middle = Py_None;
     int proto, rc;
+    size_t mark0 = 0, mark1 = 0;
     unsigned char head[2];
-    if (!PyArg_ParseTuple(args, "OO!i:dump_metadata", &obj, &PyDict_Type,
-                          &kinds, &proto))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!i|O!OO:dump_metadata", kwlist,
+                                     &obj, &PyDict_Type, &kinds, &proto,
+                                     &PyTuple_Type, &names, &tail, &middle))
         return NULL;
     if (proto < 4 || proto > 5) {
         PyErr_SetString(PyExc_ValueError, "dcpx: dump_metadata writes protocol 4 or 5");
+        return NULL;
+    }
+    if (names == Py_None && (tail != Py_None || middle != Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "dcpx: dump_metadata: tail and middle "
+                        "need names (the split form)");
+        return NULL;
+    }
+    if (middle != Py_None && !PyBytes_CheckExact(middle)) {
+        PyErr_SetString(PyExc_TypeError, "dcpx: dump_metadata: middle must be bytes");
         return NULL;
     }
     memset(&e, 0, sizeof(e));
@@ -809,13 +881,34 @@ PyObject *dcpx_dump_metadata(PyObject *Py_UNUSED(module), PyObject *args)
         if ((e.names[i] = PyUnicode_InternFromString(storage_names[i])) == NULL)
             rc = ERR;
     e.framing = 1;
+    if (rc == 0 && names != Py_None) {
+        rc = enc_names(&e, names);
+        mark0 = e.len;
+    }
     if (rc == 0)
-        rc = enc_obj(&e, obj);
+        rc = middle != Py_None ? put_raw(&e, middle) : enc_obj(&e, obj);
+    if (rc == 0 && names != Py_None) {
+        commit_frame(&e);
+        mark1 = e.len;
+        if (tail != Py_None) {
+            e.nomemo = 1;
+            rc = enc_obj(&e, tail);
+            if (rc == 0)
+                rc = put1(&e, 'b'); /* BUILD */
+            e.nomemo = 0;
+        }
+    }
     if (rc == 0)
         rc = put1(&e, '.');
     commit_frame(&e);
-    if (rc == 0)
+    if (rc == 0) {
         out = PyBytes_FromStringAndSize(e.buf, (Py_ssize_t)e.len);
+        if (out != NULL && names != Py_None && middle == Py_None) {
+            PyObject *t = Py_BuildValue("(Nnn)", out, (Py_ssize_t)mark0,
+                                        (Py_ssize_t)mark1);
+            out = t;
+        }
+    }
     else if (rc == UNSUP || PyErr_ExceptionMatches(PyExc_RecursionError)) {
         /* Python's pickler decides: it writes the stream, or raises. */
         PyErr_Clear();

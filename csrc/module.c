@@ -277,12 +277,28 @@ PyDoc_STRVAR(check_pickle_doc,
              "the data, no persistent ids, extensions or out-of-band buffers).");
 
 PyDoc_STRVAR(dump_metadata_doc,
-             "dump_metadata($module, metadata, kinds, protocol, /)\n--\n\n"
+             "dump_metadata($module, metadata, kinds, protocol, names=None, "
+             "tail=None, middle=None)\n--\n\n"
              "The pickle of a DCP Metadata object graph, written in C "
              "(csrc/mdpickle.c); it loads to objects equal to pickle.dumps's. "
              "kinds: {type: (kind, reducer)} for the non-builtin types "
              "(dcpx/_metadata.py builds it).  None when the graph holds "
-             "anything else: the caller then uses Python's pickler.");
+             "anything else: the caller then uses Python's pickler.  With "
+             "names (a tuple of str), the split form (csrc/mdpickle.c): "
+             "(bytes, start, end) of the metadata's part, or bytes when that "
+             "part is given as middle.");
+
+PyDoc_STRVAR(scan_plain_doc,
+             "scan_plain($module, values, expect, direct, dl_dtypes, export, cuda, /)\n--\n\n"
+             "(payloads, holes, same): the C writer's payload of each plain CPU "
+             "tensor of values as dcpx._pending._direct_payload makes it, None "
+             "at the indices in holes (left to Python), and whether every one "
+             "matches the plan signature expect (csrc/payloads.c).");
+
+PyDoc_STRVAR(dlpack_dtype_key_doc,
+             "dlpack_dtype_key($module, capsule, /)\n--\n\n"
+             "The key of an unused DLPack capsule's dtype in scan_plain's "
+             "dl_dtypes, or -1 (csrc/payloads.c).");
 
 PyDoc_STRVAR(cuda_version_doc,
              "cuda_driver_version($module, /)\n--\n\n"
@@ -378,7 +394,10 @@ static PyMethodDef dcpx_methods[] = {
     {"md_index_entries", dcpx_md_index_entries, METH_O, md_index_entries_doc},
     {"read_plan_md", (PyCFunction)(void (*)(void))dcpx_read_plan_md,
      METH_VARARGS | METH_KEYWORDS, read_plan_md_doc},
-    {"dump_metadata", dcpx_dump_metadata, METH_VARARGS, dump_metadata_doc},
+    {"dump_metadata", (PyCFunction)(void (*)(void))dcpx_dump_metadata,
+     METH_VARARGS | METH_KEYWORDS, dump_metadata_doc},
+    {"scan_plain", dcpx_scan_plain, METH_VARARGS, scan_plain_doc},
+    {"dlpack_dtype_key", dcpx_dlpack_dtype_key, METH_O, dlpack_dtype_key_doc},
     {"prefault", (PyCFunction)(void (*)(void))dcpx_prefault,
      METH_VARARGS | METH_KEYWORDS, prefault_doc},
     {"stage_plain", (PyCFunction)(void (*)(void))dcpx_stage_plain,

@@ -159,13 +159,15 @@ def save_local(writer: FileSystemWriter, flat: dict, mappings: dict,
 def _start_local(writer: FileSystemWriter, flat: dict, mappings: dict, prepare,
                  scanned=None) -> tuple:
     """save_local's first half (call it with the collector paused): plan,
-    start the C writer threads, encode the metadata while they write.
-    (Metadata, PendingWrite, encoded metadata)."""
-    metadata, pending = plan_local_save(writer, flat, mappings, prepare, scanned)
-    pending.start()
+    start the C writer threads, build and encode the metadata while they
+    write.  (Metadata, PendingWrite, encoded metadata)."""
+    local = plan_local_save(writer, flat, mappings, prepare, scanned)
+    pending = local.pending.start()
     try:
+        metadata = local.metadata()
         data = writer.encode_metadata(metadata)
     except BaseException:
+        writer._splice = None
         pending.abort()
         raise
     return metadata, pending, data
@@ -185,6 +187,9 @@ def _save_fast(writer: FileSystemWriter, state_dict: dict, planner, no_dist: boo
             except BaseException:
                 writer._release_tag()
                 raise
+        # Freed before the collector resumes, so that it does not scan the
+        # flattening's objects (one key-path tuple per tensor).
+        del fast
     return _finish_local(writer, *started)
 
 
@@ -205,6 +210,7 @@ def _finish_local(writer: FileSystemWriter, metadata: Metadata, pending, data: b
         writer.commit(metadata, data)
     finally:
         writer._release_tag()  # a failed save's lock (commit releases its own)
+        writer._splice = None  # unused if a subclass's encode_metadata did not take it
     return metadata
 
 
@@ -213,6 +219,8 @@ def fast_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
     if not fast_path_eligible(storage_writer, planner, no_dist):
         return None
     flat, mappings = flatten_state_dict(_stateful_to_state_dict(state_dict))
+    if _PLAIN_TENSOR_TYPES.issuperset(map(type, flat.values())):
+        return flat, mappings  # the common case, without a call per value
     for key, v in flat.items():
         if not _plan.plannable(v, False):
             if v.is_nested:  # jagged nested tensors are subclasses

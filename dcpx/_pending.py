@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import io
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -74,6 +75,32 @@ def _direct_payload(t: torch.Tensor) -> Optional[tuple]:
                 t = t.detach()
             return (_TO_DLPACK(t), stype)
     return None
+
+
+_DL_DTYPES: dict = {}
+
+
+def dl_dtypes() -> dict:
+    """{_C.dlpack_dtype_key: torch dtype} for _C.scan_plain: which torch
+    dtype a DLPack export's dtype is, for every DLPack dtype that exactly
+    one torch dtype exports as (built once, over every torch dtype: a
+    DLPack dtype two of them share is left out, and then asked of the
+    tensor)."""
+    if not _DL_DTYPES and _TO_DLPACK is not None:
+        seen: dict = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # deprecated dtypes say so when made
+            for d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
+                try:
+                    key = _C.dlpack_dtype_key(_TO_DLPACK(torch.empty(1, dtype=d)))
+                except Exception:  # not exportable (or not creatable): asked of the tensor
+                    continue
+                if key >= 0:
+                    seen.setdefault(key, set()).add(d)
+        _DL_DTYPES.update({k: next(iter(ds)) for k, ds in seen.items() if len(ds) == 1})
+        if not _DL_DTYPES:
+            _DL_DTYPES[-1] = None  # built: nothing unambiguous
+    return _DL_DTYPES
 
 
 def _remember(dtype: torch.dtype, stype: str) -> None:
@@ -161,12 +188,28 @@ class PendingWrite:
     known, so the metadata can be built while the bytes go out."""
 
     def __init__(self, writer: "FileSystemWriter", files: list[tuple[str, list[_Entry]]]):
-        self.writer = writer
+        self._begin(writer, [name for name, _ in files],
+                    [[e.payload for e in ents] for _, ents in files])
         self.files = files
-        self.paths = [str(writer.path / name) for name, _ in files]
-        self.job = _C.WriteJob(
-            [(p, [e.payload for e in ents]) for p, (_, ents) in zip(self.paths, files)],
-            sync_files=writer.sync_files, threads=max(1, writer.thread_count))
+
+    @classmethod
+    def of_payloads(cls, writer: "FileSystemWriter", names: list[str],
+                    payloads: list[list]) -> "PendingWrite":
+        """The data files ``names[i]`` holding ``payloads[i]`` (the C
+        writer's payloads, in order): for a caller that keeps which item
+        each one is itself (dcpx._plan's SavePlan), so that no entry
+        object is made per item.  ``files`` then has no entries, and
+        ``results`` is not available."""
+        self = cls.__new__(cls)
+        self._begin(writer, names, payloads)
+        self.files = [(name, None) for name in names]
+        return self
+
+    def _begin(self, writer: "FileSystemWriter", names: list[str], payloads: list[list]) -> None:
+        self.writer = writer
+        self.paths = [str(writer.path / name) for name in names]
+        self.job = _C.WriteJob(list(zip(self.paths, payloads)),
+                               sync_files=writer.sync_files, threads=max(1, writer.thread_count))
         self.layout = self.job.layout()  # per file: (offset, length) per entry
         self._results: Optional[list[WriteResult]] = None
 
@@ -174,6 +217,8 @@ class PendingWrite:
     def results(self) -> list[WriteResult]:
         """torch's WriteResult per entry (built on first use)."""
         if self._results is None:
+            if any(ents is None for _, ents in self.files):
+                raise RuntimeError("dcpx: a PendingWrite of bare payloads has no results")
             self._results = [
                 WriteResult(index=e.index, size_in_bytes=length,
                             storage_data=_StorageInfo(name, offset, length))

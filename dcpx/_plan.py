@@ -40,9 +40,17 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _metadata
+from . import _C, _metadata
 from ._files import DCP_VERSION
-from ._pending import PendingWrite, _Entry, tensor_payload, value_payload
+from ._pending import (
+    _DIRECT,
+    _TO_DLPACK,
+    PendingWrite,
+    dl_dtypes,
+    staged_payload,
+    tensor_payload,
+    value_payload,
+)
 from .errors import CheckpointError
 
 
@@ -126,7 +134,8 @@ class LocalItem(NamedTuple):
     nbytes: int
 
 
-def scan(flat: dict, prepare: Callable) -> tuple[list, list]:
+def scan(flat: dict, prepare: Callable,
+         expect: Optional[list] = None) -> tuple[Optional[list], list]:
     """One pass over a flat state dict: (signature, payloads).
 
     ``payloads[i]`` is the C writer's payload of the i-th value
@@ -134,25 +143,54 @@ def scan(flat: dict, prepare: Callable) -> tuple[list, list]:
     other value); ``signature[i]`` is what the plan depends on: None for a
     non-tensor, ``(dtype, shape, requires_grad, pinned)`` for a tensor saved
     whole, plus ``(offsets, sizes)`` for a DTensor's local chunk.  The
-    caller has checked ``plannable`` for every value."""
-    sig: list = []
-    payloads: list = []
-    add_sig, add_payload = sig.append, payloads.append
+    caller has checked ``plannable`` for every value.
+
+    ``expect``: a plan's signature; if the state dict has it, the signature
+    returned is None (not built).  Plain CPU tensors of the payload functions
+    of dcpx/_pending.py are looked at in one C pass (csrc/payloads.c,
+    ``_C.scan_plain``), the rest here."""
+    values = list(flat.values())
     cuda = torch.cuda.is_available()
-    for fqn, obj in flat.items():
-        tp = type(obj)
-        if tp is _Tensor or tp is _Parameter or (isinstance(obj, _Tensor) and not is_dtensor(obj)):
-            add_payload(prepare(obj, fqn))  # first: it refuses what has no metadata
-            add_sig((obj.dtype, obj.shape, obj.requires_grad, cuda and obj.is_pinned()))
-        elif isinstance(obj, _Tensor):
-            data, offsets, sizes = local_chunk(obj)
-            add_payload(prepare(data, fqn))
-            add_sig((obj.dtype, obj.shape, obj.requires_grad, cuda and data.is_pinned(),
-                     tuple(offsets), tuple(sizes)))
-        else:
-            add_payload(value_payload(obj, fqn))
-            add_sig(None)
-    return sig, payloads
+    if (prepare is tensor_payload or prepare is staged_payload) and _TO_DLPACK is not None:
+        payloads, todo, same = _C.scan_plain(values, expect, _DIRECT, dl_dtypes(), _TO_DLPACK,
+                                             cuda)
+    else:
+        payloads, todo, same = [None] * len(values), range(len(values)), expect is not None
+    if todo:
+        keys = list(flat)
+        for i in todo:
+            p, s = _scan_one(values[i], keys[i], prepare, cuda)
+            payloads[i] = p
+            if same and s != expect[i]:
+                same = False
+    if same:
+        return None, payloads
+    return [_signature(v, cuda) for v in values], payloads
+
+
+def _scan_one(obj: Any, fqn: str, prepare: Callable, cuda: bool) -> tuple:
+    """(payload, signature entry) of one value (see ``scan``)."""
+    tp = type(obj)
+    if tp is _Tensor or tp is _Parameter or (isinstance(obj, _Tensor) and not is_dtensor(obj)):
+        p = prepare(obj, fqn)  # first: it refuses what has no metadata
+        return p, (obj.dtype, obj.shape, obj.requires_grad, cuda and obj.is_pinned())
+    if isinstance(obj, _Tensor):
+        data, offsets, sizes = local_chunk(obj)
+        p = prepare(data, fqn)
+        return p, (obj.dtype, obj.shape, obj.requires_grad, cuda and data.is_pinned(),
+                   tuple(offsets), tuple(sizes))
+    return value_payload(obj, fqn), None
+
+
+def _signature(obj: Any, cuda: bool) -> Optional[tuple]:
+    """``scan``'s signature entry of a value whose payload is made."""
+    if not isinstance(obj, _Tensor):
+        return None
+    if is_dtensor(obj):
+        data, offsets, sizes = local_chunk(obj)
+        return (obj.dtype, obj.shape, obj.requires_grad, cuda and data.is_pinned(),
+                tuple(offsets), tuple(sizes))
+    return (obj.dtype, obj.shape, obj.requires_grad, cuda and obj.is_pinned())
 
 
 def local_items(keys, sig: list, payloads: list) -> list[LocalItem]:
@@ -294,13 +332,16 @@ def file_groups(items: list[LocalItem], n: int, single_file_per_rank: bool) -> l
 
 class SavePlan(NamedTuple):
     """A single-process save's plan: reused by later saves of the same
-    layout.  Shared between saves (and threads) once built: never mutated."""
+    layout.  Shared between saves (and threads) once built: never mutated,
+    but for ``encoded``, a cache of what its saves' metadata encodes to."""
     sig: list                   # scan()'s signature it was made for
     sdm: dict                   # fqn -> Tensor/BytesStorageMetadata
     index: list                 # per item: its MetadataIndex
     nbytes: list                # per item: bytes of a tensor (-1: a bytes value)
     groups: list                # per data file: item indices
     mappings: dict              # the planner_data it was made with
+    in_order: bool              # one data file with every item in order
+    encoded: list               # [None] or [(layout, middle)]: dcpx._metadata.Splice
 
 
 # (writer's file configuration, keys) -> SavePlan; the most recent first out
@@ -316,20 +357,33 @@ def clear_plan_cache() -> None:
         _PLANS.clear()
 
 
-def _plan_for(config: tuple, keys: tuple, sig: list, payloads: list,
-              mappings: dict) -> SavePlan:
+def _cached_plan(config: tuple, keys: tuple) -> Optional[SavePlan]:
+    """The plan kept for these keys and file configuration, if any (its
+    signature is still to be compared)."""
     key = (config, keys)
     with _plans_lock:
         plan = _PLANS.get(key)
         if plan is not None:
             _PLANS.move_to_end(key)
-    if plan is not None and plan.sig == sig:
+    return plan
+
+
+def _plan_for(config: tuple, keys: tuple, sig: list, payloads: list,
+              mappings: dict, known: Optional[SavePlan] = None) -> SavePlan:
+    """The plan for a scanned state dict: ``known`` (or the cached one) if
+    it was made for the same signature and mappings, else a new one,
+    cached."""
+    plan = known if known is not None else _cached_plan(config, keys)
+    if plan is not None and plan.sig == sig and (
+            mappings is plan.mappings or mappings == plan.mappings):
         return plan
     items = local_items(keys, sig, payloads)
     gp = global_plan([items], [{}])
+    groups = file_groups(items, config[1], config[0])
     plan = SavePlan(sig, gp.state_dict_metadata, [gp.index[(0, i)] for i in range(len(items))],
                     [-1 if it.offsets is None else it.nbytes for it in items],
-                    file_groups(items, config[1], config[0]), dict(mappings))
+                    groups, dict(mappings), groups == [list(range(len(items)))], [None])
+    key = (config, keys)
     with _plans_lock:
         _PLANS[key] = plan
         _PLANS.move_to_end(key)
@@ -340,38 +394,81 @@ def _plan_for(config: tuple, keys: tuple, sig: list, payloads: list,
     return plan
 
 
+class LocalSave(NamedTuple):
+    """A single-process save whose data files are being laid out (and, once
+    ``pending.start()`` is called, written): its plan, and what its
+    Metadata is built from (``metadata()``, called while the data is
+    written)."""
+    writer: Any
+    plan: SavePlan
+    pending: PendingWrite
+    names: tuple                # data file names, per file of plan.groups
+
+    def metadata(self) -> Metadata:
+        """The save's Metadata; leaves the writer a hint for encoding it
+        (dcpx._metadata.Splice): its plan's last encoding, if the layout
+        is the same."""
+        plan, pending, names = self.plan, self.pending, self.names
+        layout = pending.layout
+        cached = plan.encoded[0]
+        middle = None
+        if cached is not None and cached[0] == layout:
+            # Equal: keep the plan's list, so this save's are freed now.
+            layout = pending.layout = cached[0]
+            middle = cached[1]
+        index = plan.index
+        storage_data = {}
+        if plan.in_order:
+            name = names[0]
+            storage_data = {ix: _StorageInfo(name, off, length)
+                            for ix, (off, length) in zip(index, layout[0])}
+        else:
+            for name, g, lay in zip(names, plan.groups, layout):
+                for i, (off, length) in zip(g, lay):
+                    storage_data[index[i]] = _StorageInfo(name, off, length)
+        metadata = Metadata(
+            state_dict_metadata=dict(plan.sdm),
+            # The plan's copy: its key strings are the objects the reused
+            # metadata holds, so the pickle stores each key once (a new
+            # state dict's equal strings would be stored again).
+            planner_data=dict(plan.mappings),
+            storage_data=storage_data,
+            storage_meta=self.writer.storage_meta(),
+            version=DCP_VERSION,
+        )
+        self.writer._splice = _metadata.Splice(metadata, names, plan.encoded, layout, middle)
+        return metadata
+
+
 def plan_local_save(writer, flat: dict, mappings: dict,
                     prepare: Callable = tensor_payload,
-                    scanned: Optional[tuple] = None) -> tuple[Metadata, PendingWrite]:
-    """Build the metadata and the write job for a flat, single-process state
-    dict: the one-rank case of the global plan, reused while the layout
-    stays the same.  ``prepare(tensor, key)`` turns each tensor into a
-    C-writer payload (the async path passes staged copies).  Returns
-    (Metadata, PendingWrite).  ``scanned``: ``scan(flat, prepare)``'s
-    result when the caller has it (a stager's layout: _Layout.upload_scan)."""
+                    scanned: Optional[tuple] = None) -> LocalSave:
+    """Plan a flat, single-process state dict and lay out its data files:
+    the one-rank case of the global plan, reused while the layout stays the
+    same.  ``prepare(tensor, key)`` turns each tensor into a C-writer
+    payload (the async path passes staged copies).  The data files are
+    written once ``pending.start()`` is called; ``metadata()`` builds the
+    Metadata meanwhile.  ``scanned``: ``scan(flat, prepare)``'s result
+    when the caller has it (a stager's layout: staging.UploadScan)."""
     writer.set_up_storage_writer(True, rank=0)
     writer._prepare_dir()
     prefix = writer._prefix(0)
-    sig, payloads = scanned if scanned is not None else scan(flat, prepare)
     config = (bool(writer.single_file_per_rank), max(1, writer.thread_count))
-    plan = _plan_for(config, tuple(flat), sig, payloads, mappings)
-    if mappings is not plan.mappings and mappings == plan.mappings:
-        # The plan's own copy: its key strings are the objects the reused
-        # metadata holds, so the pickle stores each key once (a new state
-        # dict's equal strings would be stored again).
-        mappings = dict(plan.mappings)
-    index, nbytes = plan.index, plan.nbytes
-    entries = [_Entry(ix, p, len(p) if nb < 0 else nb) for ix, p, nb in zip(index, payloads, nbytes)]
-    pending = writer.write_entries(prefix, entries, groups=plan.groups)
-    storage_data = {}
-    for (name, ents), lay in zip(pending.files, pending.layout):
-        for e, (offset, length) in zip(ents, lay):
-            storage_data[e.index] = _StorageInfo(name, offset, length)
-    metadata = Metadata(
-        state_dict_metadata=dict(plan.sdm),
-        planner_data=mappings,
-        storage_data=storage_data,
-        storage_meta=writer.storage_meta(),
-        version=DCP_VERSION,
-    )
-    return metadata, pending
+    keys = tuple(flat)
+    known = _cached_plan(config, keys)
+    if scanned is not None:
+        sig, payloads = scanned
+    else:
+        sig, payloads = scan(flat, prepare, known.sig if known is not None else None)
+    plan = (known if sig is None and (mappings is known.mappings or mappings == known.mappings)
+            else _plan_for(config, keys, sig if sig is not None else known.sig, payloads,
+                           mappings, known))
+    del sig
+    names = tuple(f"{prefix}{i}.distcp" for i in range(len(plan.groups)))
+    if plan.in_order:
+        groups = [payloads]
+    else:
+        groups = [[payloads[i] for i in g] for g in plan.groups]
+    del payloads
+    pending = writer.write_payloads(list(names), groups)
+    return LocalSave(writer, plan, pending, names)

@@ -103,11 +103,13 @@ class FileSystemWriter(StorageWriter):
         # Called under the commit lock before the rename: a message means
         # "do not commit" (the checkpoint process of a dead parent sets it).
         self._commit_check: Optional[Any] = None
+        # Set by a single-process save for encode_metadata (dcpx._plan).
+        self._splice: Optional[_metadata.Splice] = None
 
     def __getstate__(self) -> dict:
         # A save's lock (a descriptor) and commit check stay in this process.
         state = self.__dict__.copy()
-        state["_save_lock"] = state["_commit_check"] = None
+        state["_save_lock"] = state["_commit_check"] = state["_splice"] = None
         return state
 
     # -- StorageWriter protocol ------------------------------------------
@@ -244,6 +246,13 @@ class FileSystemWriter(StorageWriter):
         files = [(f"{prefix}{first + i}.distcp", g) for i, g in enumerate(groups)]
         return PendingWrite(self, files)
 
+    def write_payloads(self, names: list[str], payloads: list[list]) -> PendingWrite:
+        """Lay out data files ``names[i]`` holding ``payloads[i]`` (C-writer
+        payloads, in order), for a caller that knows each one's item itself
+        (dcpx._plan.plan_local_save): the single-process save's counterpart
+        of ``write_entries``."""
+        return PendingWrite.of_payloads(self, names, payloads)
+
     def write_items(self, items: Iterable[tuple[str, Any]], *,
                     planner_data: Optional[Mapping[str, tuple]] = None,
                     file_bytes: int = 64 << 20,
@@ -336,7 +345,10 @@ class FileSystemWriter(StorageWriter):
         return storage, sdm
 
     def encode_metadata(self, metadata: Metadata) -> bytes:
-        return _metadata.dumps(metadata)
+        # A single-process save's hint for reusing the last save's encoding
+        # (dcpx._metadata.Splice), if it left one for this metadata.
+        splice, self._splice = getattr(self, "_splice", None), None
+        return _metadata.dumps(metadata, splice)
 
     def commit(self, metadata: Metadata, data: Optional[bytes] = None) -> None:
         """Make the checkpoint visible atomically (dcpx._commit).  ``data``

@@ -141,7 +141,7 @@ class SlowCopy:
 
 class GatedWriter(dcpx.FileSystemWriter):
     """dcpx's writer, stopping at `where` on the upload thread:
-    "plan" (write_entries: before the C writer threads start) or
+    "plan" (write_entries / write_payloads: before the C writer threads start) or
     "write" (encode_metadata: they have started)."""
 
     def __init__(self, path, where: str, gate: Gate, **kw) -> None:
@@ -152,6 +152,11 @@ class GatedWriter(dcpx.FileSystemWriter):
         if self.where == "plan":
             self.gate.hold()
         return super().write_entries(*a, **kw)
+
+    def write_payloads(self, *a, **kw):  # the single-process path's write_entries
+        if self.where == "plan":
+            self.gate.hold()
+        return super().write_payloads(*a, **kw)
 
     def encode_metadata(self, *a, **kw):
         if self.where == "write":

@@ -1,0 +1,159 @@
+"""Reuse of the encoded metadata body (dcpx/_metadata.py, "Reuse of the
+encoded body"; csrc/mdpickle.c's split form).
+
+A save whose plan is reused writes the last save's encoding of the metadata
+with only the data file names and storage_meta written afresh.  Every
+.metadata below is read back with pickle.load (as torch's FileSystemReader
+reads it) and with dcpx's reader, and must equal the Metadata the save
+returned; the checkpoints load bit-exact with dcpx and with torch."""
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as tdcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+import dcpx
+from conftest import assert_state_bit_equal, empty_like_state, fast_writer
+from dcpx import _C, _metadata, _plan
+
+
+def _state(n=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {f"layer{i}.w": torch.randn(3, i % 5 + 1, generator=g) for i in range(n)},
+            "opt": {"step": 3, "lr": [0.1, 0.2], "m": torch.randn(4, generator=g)},
+            "i8": torch.randint(-9, 9, (7,), dtype=torch.int8, generator=g)}
+
+
+def _read_back(path, returned):
+    """The .metadata at path, read by pickle (torch's way) and by dcpx,
+    equals the returned Metadata; the checkpoint loads in both."""
+    raw = (Path(path) / ".metadata").read_bytes()
+    with open(Path(path) / ".metadata", "rb") as f:
+        by_pickle = pickle.load(f)
+    by_dcpx = _metadata.loads(raw, str(path))
+    assert by_pickle == returned
+    assert by_dcpx == returned
+    assert by_pickle.storage_meta.checkpoint_id == Path(path)
+
+
+def _load_both(path, want):
+    got = empty_like_state(want)
+    dcpx.load(got, checkpoint_id=path)
+    assert_state_bit_equal(got, want)
+    got = empty_like_state(want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.load(got, storage_reader=tdcp.FileSystemReader(path), no_dist=True)
+    assert_state_bit_equal(got, want)
+
+
+@pytest.fixture
+def spliced(monkeypatch):
+    """Counts the encodings that reused a cached middle."""
+    real = _C.dump_metadata
+    used = []
+
+    def counting(*args, **kw):
+        if kw.get("middle") is not None:
+            used.append(len(kw["middle"]))
+        return real(*args, **kw)
+    monkeypatch.setattr(_C, "dump_metadata", counting)
+    return used
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_saves_of_one_layout_reuse_the_encoding_for_any_path(tmp_path, spliced, threads):
+    _plan.clear_plan_cache()
+    sd = _state()
+    # paths of different lengths and characters: storage_meta differs in size
+    paths = [tmp_path / "a", tmp_path / ("long" * 30), tmp_path / "ü ñ" / "x", tmp_path / "a"]
+    for i, path in enumerate(paths):
+        sd["model"]["layer0.w"].fill_(float(i))
+        md = dcpx.save(sd, storage_writer=fast_writer(path, thread_count=threads))
+        assert len(spliced) == i  # the first save encodes, every later one reuses
+        _read_back(path, md)
+        _load_both(str(path), sd)
+        names = {si.relative_path for si in md.storage_data.values()}
+        assert len(names) == threads
+
+
+def test_a_changed_layout_or_planner_data_is_encoded_afresh(tmp_path, spliced):
+    _plan.clear_plan_cache()
+    t = torch.arange(6.0)
+    # same flat keys and tensors, other nesting: the plan is reused, its
+    # planner_data (the mappings) is not
+    a = {"a": {"b": t}, "s": "x"}
+    b = {"a.b": t, "s": "x"}
+    md = dcpx.save(a, checkpoint_id=tmp_path / "1")
+    _read_back(tmp_path / "1", md)
+    md = dcpx.save(b, checkpoint_id=tmp_path / "2")
+    assert md.planner_data == {"a.b": ("a.b",), "s": ("s",)}
+    _read_back(tmp_path / "2", md)
+    _load_both(str(tmp_path / "2"), b)
+    # a longer non-tensor value: same plan, other offsets and lengths
+    b["s"] = "x" * 1000
+    md = dcpx.save(b, checkpoint_id=tmp_path / "3")
+    _read_back(tmp_path / "3", md)
+    _load_both(str(tmp_path / "3"), b)
+    assert spliced == []
+    md = dcpx.save(b, checkpoint_id=tmp_path / "4")
+    assert len(spliced) == 1
+    _read_back(tmp_path / "4", md)
+    _load_both(str(tmp_path / "4"), b)
+
+
+def _metadata_with(md, names, checkpoint_id):
+    """md with its data files renamed (the very str objects of ``names``)."""
+    rename = {}
+    storage = {}
+    for ix, si in md.storage_data.items():
+        if si.relative_path not in rename:
+            rename[si.relative_path] = names[len(rename)]
+        storage[ix] = _StorageInfo(rename[si.relative_path], si.offset, si.length)
+    return Metadata(state_dict_metadata=md.state_dict_metadata, planner_data=md.planner_data,
+                    storage_data=storage,
+                    storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id="s" * 36),
+                    version=md.version)
+
+
+def test_split_form_with_a_reused_middle_loads_to_the_new_metadata(tmp_path):
+    sd = _state(n=300)
+    md = dcpx.save(sd, storage_writer=fast_writer(tmp_path / "c", thread_count=2))
+    first = _metadata_with(md, ("f0.distcp", "f1.distcp"), "/x")
+    cell = [None]
+    data = _metadata.dumps(first, _metadata.Splice(first, ("f0.distcp", "f1.distcp"),
+                                                   cell, ["layout"], None))
+    assert pickle.loads(data) == first == _metadata.loads(data, "x")
+    assert cell[0] is not None and cell[0][0] == ["layout"]
+    # other names (other lengths), another storage_meta: only those change
+    names = ("__0_" + "9" * 300 + "_0.distcp", "g.distcp")
+    second = _metadata_with(md, names, Path("/" + "y" * 500))
+    data2 = _metadata.dumps(second, _metadata.Splice(second, names, cell, ["layout"],
+                                                     cell[0][1]))
+    _C.check_pickle(data2[:-_metadata._TRAILER.size])
+    assert pickle.loads(data2) == second == _metadata.loads(data2, "x")
+    assert second != first
+    # as large as the standard form, give or take the names and the tail
+    assert abs(len(data2) - len(_metadata.dumps(second))) < 1000
+
+
+def test_a_splice_for_another_metadata_or_a_name_written_out_is_not_used(tmp_path):
+    sd = _state(n=5)
+    md = dcpx.save(sd, checkpoint_id=tmp_path / "c")
+    name = next(iter(md.storage_data.values())).relative_path
+    other = _metadata_with(md, ("x.distcp",), "/x")
+    cell = [None]
+    # the splice is for md, not other: the standard form
+    data = _metadata.dumps(other, _metadata.Splice(md, (name,), cell, [], None))
+    assert data == _metadata.dumps(other) and cell == [None]
+    # a name given as an equal but distinct str is written out in the
+    # middle: correct once, never cached
+    copy = "".join(["x.", "distcp"])
+    data = _metadata.dumps(other, _metadata.Splice(other, (copy,), cell, [], None))
+    assert pickle.loads(data) == other and cell == [None]
