@@ -194,22 +194,26 @@ class PendingWrite:
 
     @classmethod
     def of_payloads(cls, writer: "FileSystemWriter", names: list[str],
-                    payloads: list[list]) -> "PendingWrite":
+                    payloads: list[list], base: Optional[torch.Tensor] = None) -> "PendingWrite":
         """The data files ``names[i]`` holding ``payloads[i]`` (the C
         writer's payloads, in order): for a caller that keeps which item
         each one is itself (dcpx._plan's SavePlan), so that no entry
         object is made per item.  ``files`` then has no entries, and
-        ``results`` is not available."""
+        ``results`` is not available.  ``base``: the buffer that base items
+        ``(offset, nbytes, storage_type, shape)`` lie in (a stager's, kept
+        unchanged until the write ends: csrc/writer.c)."""
         self = cls.__new__(cls)
-        self._begin(writer, names, payloads)
+        self._begin(writer, names, payloads, base)
         self.files = [(name, None) for name in names]
         return self
 
-    def _begin(self, writer: "FileSystemWriter", names: list[str], payloads: list[list]) -> None:
+    def _begin(self, writer: "FileSystemWriter", names: list[str], payloads: list[list],
+               base: Optional[torch.Tensor] = None) -> None:
         self.writer = writer
         self.paths = [str(writer.path / name) for name in names]
         self.job = _C.WriteJob(list(zip(self.paths, payloads)),
-                               sync_files=writer.sync_files, threads=max(1, writer.thread_count))
+                               sync_files=writer.sync_files, threads=max(1, writer.thread_count),
+                               base=base)
         self.layout = self.job.layout()  # per file: (offset, length) per entry
         self._results: Optional[list[WriteResult]] = None
 

@@ -449,15 +449,20 @@ def plan_local_save(writer, flat: dict, mappings: dict,
     payload (the async path passes staged copies).  The data files are
     written once ``pending.start()`` is called; ``metadata()`` builds the
     Metadata meanwhile.  ``scanned``: ``scan(flat, prepare)``'s result
-    when the caller has it (a stager's layout: staging.UploadScan)."""
+    when the caller has it (a stager's layout: staging.UploadScan), with
+    the staging buffer as a third element when the payloads of the staged
+    tensors are base items in it."""
     writer.set_up_storage_writer(True, rank=0)
     writer._prepare_dir()
     prefix = writer._prefix(0)
     config = (bool(writer.single_file_per_rank), max(1, writer.thread_count))
     keys = tuple(flat)
     known = _cached_plan(config, keys)
+    base = None
     if scanned is not None:
-        sig, payloads = scanned
+        sig, payloads, *rest = scanned
+        if rest:  # a stager's buffer: its tensors' payloads are base items
+            base = rest[0]
     else:
         sig, payloads = scan(flat, prepare, known.sig if known is not None else None)
     plan = (known if sig is None and (mappings is known.mappings or mappings == known.mappings)
@@ -470,5 +475,6 @@ def plan_local_save(writer, flat: dict, mappings: dict,
     else:
         groups = [[payloads[i] for i in g] for g in plan.groups]
     del payloads
-    pending = writer.write_payloads(list(names), groups)
+    pending = (writer.write_payloads(list(names), groups) if base is None
+               else writer.write_payloads(list(names), groups, base=base))
     return LocalSave(writer, plan, pending, names)

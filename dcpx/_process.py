@@ -498,8 +498,11 @@ class _StagedViews:
     def __init__(self, serial: int, base: torch.Tensor, tensors: list) -> None:
         from .staging import UploadScan
         self.serial = serial
+        self.base = base
         self.views: dict = {}
+        self.offsets: dict = {}
         for key, offset, dtype, shape, requires_grad in tensors:
+            self.offsets[key] = offset
             t = _view_of(base, offset, dtype, shape)
             if requires_grad:
                 t.requires_grad_(True)
@@ -514,7 +517,7 @@ class _StagedViews:
         flat = dict(values)  # the values first, then the tensors, as before
         flat.update(self.views)
         with paused_gc():
-            scanned = self.scan(flat, self.views)
+            scanned = self.scan(flat, self.views, self.offsets, self.base)
         return save_local(writer, flat, self.mappings, prepare=staged_payload,
                           scanned=scanned)
 

@@ -246,12 +246,13 @@ class FileSystemWriter(StorageWriter):
         files = [(f"{prefix}{first + i}.distcp", g) for i, g in enumerate(groups)]
         return PendingWrite(self, files)
 
-    def write_payloads(self, names: list[str], payloads: list[list]) -> PendingWrite:
+    def write_payloads(self, names: list[str], payloads: list[list],
+                       base=None) -> PendingWrite:
         """Lay out data files ``names[i]`` holding ``payloads[i]`` (C-writer
         payloads, in order), for a caller that knows each one's item itself
         (dcpx._plan.plan_local_save): the single-process save's counterpart
-        of ``write_entries``."""
-        return PendingWrite.of_payloads(self, names, payloads)
+        of ``write_entries``.  ``base``: see ``PendingWrite.of_payloads``."""
+        return PendingWrite.of_payloads(self, names, payloads, base)
 
     def write_items(self, items: Iterable[tuple[str, Any]], *,
                     planner_data: Optional[Mapping[str, tuple]] = None,

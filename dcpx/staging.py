@@ -147,42 +147,57 @@ class UploadScan:
     """``_plan.scan(flat, staged_payload)`` for the uploads of one staged
     layout, without a Python step per staged tensor.  ``views`` (key ->
     staged tensor) are the same tensors every call (the layout's views of
-    its buffer); the signature and, per staged tensor, a detached alias of
-    its bytes and its storage type are kept from the first call; later
-    calls make only the DLPack exports (in one ``map``) and the non-tensor
-    values' bytes.  The aliases are this object's own, so what a caller
-    does to the staged tensors it was handed (requires_grad_, say) does not
-    change what the kept signature describes.  Recomputed when ``flat``'s
-    keys change."""
+    its buffer); the signature and, per staged tensor, its payload are kept
+    from the first call.  With ``offsets`` (key -> byte offset of its view
+    in ``base``, the staging buffer) a kept payload is a C-writer base item
+    ``(offset, nbytes, storage_type, shape)`` and the result carries
+    ``base`` as a third element: later calls make no object per staged
+    tensor at all, and the writer takes the buffer once (csrc/writer.c).
+    Without them, a kept payload is a detached alias of the view and its
+    storage type, and later calls make one DLPack export each (in one
+    ``map``).  Either way what is kept is this object's own, so what a
+    caller does to the staged tensors it was handed (requires_grad_, say)
+    does not change what the kept signature describes.  Non-tensor values
+    are encoded every call.  Recomputed when ``flat``'s keys change."""
 
     def __init__(self) -> None:
         self._cache: Optional[tuple] = None
 
-    def __call__(self, flat: dict, views: dict) -> tuple:
+    def __call__(self, flat: dict, views: dict, offsets: Optional[dict] = None,
+                 base: Optional[torch.Tensor] = None) -> tuple:
         keys = list(flat)
         cache = self._cache
-        if cache is None or cache[0] != keys:
+        if cache is None or cache[0] != keys or cache[5] is not base:
             from . import _plan
             sig, payloads = _plan.scan(flat, staged_payload)
-            exports = [dlpack_view(views[k].detach()) for k in keys if k in views]
             stypes = [p[1] for k, p in zip(keys, payloads) if k in views]
+            staged = [k for k in keys if k in views]
+            if offsets is not None and base is not None:
+                kept = [(offsets[k], views[k].numel() * views[k].element_size(), st,
+                         tuple(views[k].shape)) for k, st in zip(staged, stypes)]
+            else:
+                kept = [dlpack_view(views[k].detach()) for k in staged]
             values = [(i, k) for i, k in enumerate(keys) if k not in views]
-            self._cache = (keys, sig, exports, stypes, values)
+            self._cache = (keys, sig, kept, stypes, values, base)
             return sig, payloads
-        _, sig, exports, stypes, values = cache
-        caps = map(_TO_DLPACK, exports) if _TO_DLPACK is not None else exports
-        tensors = list(zip(caps, stypes))
-        if not values:
-            return sig, tensors
-        payloads: list = []
-        taken = 0  # tensors placed so far
-        for i, k in values:  # the tensors before position i, then the value
-            before = i - len(payloads)
-            payloads += tensors[taken:taken + before]
-            taken += before
-            payloads.append(value_payload(flat[k], k))
-        payloads += tensors[taken:]
-        return sig, payloads
+        _, sig, kept, stypes, values, base = cache
+        if base is not None:
+            tensors = kept
+        else:
+            caps = map(_TO_DLPACK, kept) if _TO_DLPACK is not None else kept
+            tensors = list(zip(caps, stypes))
+        if values:
+            payloads: list = []
+            taken = 0  # tensors placed so far
+            for i, k in values:  # the tensors before position i, then the value
+                before = i - len(payloads)
+                payloads += tensors[taken:taken + before]
+                taken += before
+                payloads.append(value_payload(flat[k], k))
+            payloads += tensors[taken:]
+        else:
+            payloads = tensors
+        return (sig, payloads) if base is None else (sig, payloads, base)
 
 
 class _Layout:
@@ -250,14 +265,14 @@ class _Layout:
         return self._description
 
     def upload_scan(self) -> Optional[tuple]:
-        """``(signature, payloads)`` of ``self.flat`` for the upload
-        (``UploadScan``); None (the caller scans) when a staged value is
+        """``(signature, payloads[, buffer])`` of ``self.flat`` for the
+        upload (``UploadScan``: base items in this layout's buffer); None (the caller scans) when a staged value is
         not a plain tensor (a DTensor's stand-in)."""
         if self._upload is None:
             if any(self.staged[k] is not d for k, d in self.dst.items()):
                 return None
             self._upload = UploadScan()
-        return self._upload(self.flat, self.dst)
+        return self._upload(self.flat, self.dst, self.offsets, self.buffer.base)
 
     def other_values(self) -> dict:
         """This stage's non-tensor values, by key."""

@@ -1408,6 +1408,15 @@ def _overlap_stager(stager_cuda, stager, ts, gates):
     return stage_flat
 
 
+def _use_overlap_stager(monkeypatch, stager_cuda, stager, ts, gates):
+    """Every stage through _overlap_stager: also a flat state dict of the
+    last layout, which the stager would otherwise stage without calling
+    _stage_flat (staging._flat_as_is), as the plain CPU tensors it holds
+    here (the stand-in's CUDA tensors are swapped in by _overlap_stager)."""
+    monkeypatch.setattr(stager, "_stage_flat", _overlap_stager(stager_cuda, stager, ts, gates))
+    monkeypatch.setattr(stager_cuda, "_flat_as_is", lambda layout, state_dict: False)
+
+
 def test_async_save_writes_while_the_later_segments_still_copy(stager_cuda, lib, tmp_path,
                                                                 monkeypatch):
     """async_save with asynchronous staging of CUDA tensors: the upload's
@@ -1423,7 +1432,7 @@ def test_async_save_writes_while_the_later_segments_still_copy(stager_cuda, lib,
     gates: list = []
     with dcpx.DefaultStager(dcpx.StagingOptions(True, False, True, True)) as stager:
         stager._cuda = True
-        monkeypatch.setattr(stager, "_stage_flat", _overlap_stager(stager_cuda, stager, ts, gates))
+        _use_overlap_stager(monkeypatch, stager_cuda, stager, ts, gates)
         for rnd in range(2):
             data = [_rand(4096, 400 + 10 * rnd + i) for i in range(6)]
             for t, d in zip(ts, data):
@@ -1465,7 +1474,7 @@ def test_async_save_with_a_failed_copy_commits_nothing_and_names_the_key(stager_
     gates: list = []
     with dcpx.DefaultStager(dcpx.StagingOptions(True, False, True, True)) as stager:
         stager._cuda = True
-        monkeypatch.setattr(stager, "_stage_flat", _overlap_stager(stager_cuda, stager, ts, gates))
+        _use_overlap_stager(monkeypatch, stager_cuda, stager, ts, gates)
         lib.fake_hold_after(2)
         lib.fake_fail_async(3, ILLEGAL_ADDRESS)  # once segment 1 is published
         resp = dcpx.async_save(sd, checkpoint_id=str(tmp_path / "bad"), async_stager=stager)
@@ -1502,7 +1511,7 @@ def test_async_save_of_tensors_in_adjacent_allocations_is_bit_exact(stager_cuda,
     gates: list = []
     with dcpx.DefaultStager(dcpx.StagingOptions(True, False, True, True)) as stager:
         stager._cuda = True
-        monkeypatch.setattr(stager, "_stage_flat", _overlap_stager(stager_cuda, stager, ts, gates))
+        _use_overlap_stager(monkeypatch, stager_cuda, stager, ts, gates)
         resp = dcpx.async_save(sd, checkpoint_id=str(tmp_path / "ckpt"), async_stager=stager)
         resp.upload_completion.result(timeout=60)
         assert sorted(stager._layout.offsets.values()) == [0, 4096, 8192, 12288]

@@ -270,11 +270,19 @@ def test_upload_scan_matches_the_general_scan():
             want_sig, want = _plan.scan(layout.flat, staged_payload)
             assert got[0] == want_sig
             assert len(got[1]) == len(want)
+            # from the second call on: base items in the layout's buffer
+            assert (len(got) == 3 and got[2] is layout.buffer.base) == (step > 0)
             for (k, v), p, w in zip(layout.flat.items(), got[1], want):
                 if isinstance(w, bytes):
                     assert p == w, k
-                else:
+                elif step == 0:
                     assert type(p[0]) is type(w[0]) and p[1] == w[1], k
+                else:
+                    view = layout.dst[k]
+                    assert p == (layout.offsets[k], view.numel() * view.element_size(),
+                                 w[1], tuple(view.shape)), k
+                    assert view.numel() == 0 or (
+                        view.data_ptr() == layout.buffer.base.data_ptr() + p[0]), k
         assert stager.upload_scan_of({}) is None
 
 
