@@ -19,7 +19,10 @@
  *    from the checkpoint's contents): the opcodes protocol 2..5 picklers
  *    write for DCP metadata (PROTO, FRAME, MARK, tuples, lists, dicts,
  *    memo, ints of at most 8 bytes, ASCII strings, STACK_GLOBAL, NEWOBJ,
- *    REDUCE, BUILD, STOP); any other opcode, a stack underflow past a
+ *    REDUCE, BUILD, POP, STOP; frames that tile the pickle exactly; the
+ *    split form of dcpx's own saves,
+ *    docs/format.md: memoized names popped, and a second BUILD of the
+ *    Metadata with a dict whose keys the first did not set); any other opcode, a stack underflow past a
  *    mark, a memo index larger than the pickle, data after STOP: None;
  *  - globals only from `globals` (a subset of the Unpickler's allow-list),
  *    each used only the way a pickler writes it: classes through NEWOBJ
@@ -64,6 +67,8 @@ typedef struct {
     uint8_t frozen;    /* V_DICT: a BUILD state; V_OBJ: built */
     uint8_t reduced;   /* V_OBJ(G_SI): made by REDUCE, state = args */
     int32_t state;     /* V_OBJ: state value, -1 none; V_SIZE: its tuple */
+    int32_t state2;    /* V_OBJ(G_METADATA): a second BUILD's dict (the
+                        * split form's storage_meta), -1 none */
     int32_t head, tail;/* containers: first / last segment, -1 if none */
     uint32_t count;    /* containers: items (a dict: 2 per pair) */
     uint32_t len;      /* V_STR */
@@ -119,7 +124,7 @@ static int newval(vm *m, int tag, uint32_t *out)
     val *x = &m->v[m->nv];
     memset(x, 0, sizeof(*x));
     x->tag = (uint8_t)tag;
-    x->state = x->head = x->tail = -1;
+    x->state = x->state2 = x->head = x->tail = -1;
     *out = m->nv++;
     return 0;
 }
@@ -334,7 +339,14 @@ static int run(vm *m)
 {
     const unsigned char *p = m->p;
     size_t n = m->n, i = 0;
+    size_t frame_end = 0; /* where the current frame ends, 0: no frame yet */
     while (i < n) {
+        /* Frames tile the pickle from the first one on: no opcode crosses a
+         * frame's end, and one that ends is followed by the next FRAME (a
+         * reader from a file reads frame by frame; one from bytes ignores
+         * the lengths: only then do both read the same). */
+        if (frame_end != 0 && (i > frame_end || (i == frame_end && p[i] != 0x95)))
+            return -1;
         unsigned char op = p[i++];
         uint32_t x, y, z;
         int rc;
@@ -357,13 +369,16 @@ static int run(vm *m)
             break;
         case 0x95: { /* FRAME */
             uint64_t fl = (uint64_t)sle(p + i, 8);
+            if (frame_end != 0 && i - 1 != frame_end)
+                return -1; /* a frame inside a frame */
             i += 8;
             if (fl > n - i)
                 return -1;
+            frame_end = i + (size_t)fl;
             break;
         }
         case '.': /* STOP */
-            if (i != n || m->sp != 1 || m->nm != 0)
+            if (i != n || m->sp != 1 || m->nm != 0 || (frame_end != 0 && i != frame_end))
                 return -1;
             return 0;
         case '(':
@@ -573,12 +588,27 @@ static int run(vm *m)
             if ((rc = push(m, x)) < 0)
                 return rc;
             break;
+        case '0': /* POP: the split form's memoized file names */
+            if (m->sp <= fence(m))
+                return -1;
+            m->sp--;
+            break;
         case 'b': { /* BUILD */
             if (m->sp < fence(m) + 2)
                 return -1;
             y = m->stack[m->sp - 1];
             z = m->stack[m->sp - 2];
             val *o = &m->v[z], *st = &m->v[y];
+            if (o->tag == V_OBJ && o->frozen && o->kind == G_METADATA &&
+                o->state2 < 0 && st->tag == V_DICT) {
+                /* the split form's second BUILD (docs/format.md): its keys
+                 * join the first state's; a key in both is left to
+                 * Python (fields() refuses duplicates) */
+                st->frozen = 1;
+                o->state2 = (int32_t)y;
+                m->sp--;
+                break;
+            }
             if (o->tag != V_OBJ || o->frozen)
                 return -1;
             if (o->kind == G_TP ? st->tag != V_TUPLE : st->tag != V_DICT)
@@ -677,28 +707,32 @@ static int fields(const vm *m, const val *o, const char *const *names, int nn,
 {
     for (int k = 0; k < nn; k++)
         out[k] = -1;
-    if (o->state < 0)
-        return 0;
-    const val *d = &m->v[o->state];
-    if (d->tag != V_DICT)
-        return -1;
-    for (int32_t s = d->head; s >= 0; s = m->s[s].next) {
-        for (uint32_t j = 0; j < m->s[s].count; j += 2) {
-            uint32_t kv = m->refs[m->s[s].start + j];
-            const val *key = &m->v[kv];
-            int k = 0;
-            while (k < nn && cache[k] != kv)
-                k++;
-            if (k == nn) {
-                k = 0;
-                while (k < nn && !str_is(m, key, names[k]))
+    /* the BUILD state, then (a Metadata in the split form) the second's */
+    for (int part = 0; part < 2; part++) {
+        int32_t state = part == 0 ? o->state : o->state2;
+        if (state < 0)
+            continue;
+        const val *d = &m->v[state];
+        if (d->tag != V_DICT)
+            return -1;
+        for (int32_t s = d->head; s >= 0; s = m->s[s].next) {
+            for (uint32_t j = 0; j < m->s[s].count; j += 2) {
+                uint32_t kv = m->refs[m->s[s].start + j];
+                const val *key = &m->v[kv];
+                int k = 0;
+                while (k < nn && cache[k] != kv)
                     k++;
-                if (k < nn)
-                    cache[k] = kv;
+                if (k == nn) {
+                    k = 0;
+                    while (k < nn && !str_is(m, key, names[k]))
+                        k++;
+                    if (k < nn)
+                        cache[k] = kv;
+                }
+                if (k == nn || out[k] >= 0)
+                    return -1;
+                out[k] = (int32_t)m->refs[m->s[s].start + j + 1];
             }
-            if (k == nn || out[k] >= 0)
-                return -1;
-            out[k] = (int32_t)m->refs[m->s[s].start + j + 1];
         }
     }
     return 0;
