@@ -459,7 +459,13 @@ def test_staged_tensors_outlive_close(how):
 # 64 MiB, the size of a small model, takes 12-30 s on the shared test VM).
 SOAK_SAVES = max(10, int(os.environ.get("DCPX_SOAK_SAVES", "200")))
 SOAK_MIB = max(4, int(os.environ.get("DCPX_SOAK_MIB", "16")))
-SOAK_RSS_SLACK = 32 << 20
+# Under ASan the allocator keeps freed blocks in a quarantine of up to 256
+# MiB before reusing them, so RSS wanders by tens of MiB from save to save
+# with no trend (2026-11-24, this test under the CI's ASan build: last RSS
+# 31 MiB above the warm-up after 200 saves, -7 after 600, +17 after 1200;
+# max ~1.07 GiB each time).  The 32 MiB bound is the normal build's; under
+# ASan only growth beyond the quarantine's wander fails.
+SOAK_RSS_SLACK = (128 if "libasan" in os.environ.get("LD_PRELOAD", "") else 32) << 20
 
 
 def _soak_report(samples: list, warm_rss: int, seconds: float) -> None:
