@@ -125,7 +125,6 @@ typedef struct {
     size_t head_len;
     char *tail;            /* right after head in the same memory */
     size_t tail_len;
-    uint64_t data_len;     /* tensor bytes between head and tail */
     size_t crc_pos_head;   /* where data/0's CRC goes in head */
     size_t crc_pos_tail;   /* where data/0's CRC goes in the central dir */
 } dcpx_archive;

@@ -969,18 +969,8 @@ PyObject *dcpx_read_plan(PyObject *Py_UNUSED(module), PyObject *args)
     if (fv == NULL)
         goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(fi);
-    size_t m = (size_t)(n ? n : 1);
-    p->job.items = PyMem_RawCalloc(m, sizeof(ritem));
-    p->pos = PyMem_RawCalloc(m, sizeof(Py_ssize_t));
-    p->ndim = PyMem_RawCalloc(m, sizeof(int));
-    p->dtype_code = PyMem_RawCalloc(m, sizeof(int));
-    p->itemsize = PyMem_RawCalloc(m, sizeof(uint32_t));
-    p->shape_at = PyMem_RawCalloc(m, sizeof(Py_ssize_t));
-    if (!p->job.items || !p->pos || !p->ndim || !p->dtype_code || !p->itemsize ||
-        !p->shape_at) {
-        PyErr_NoMemory();
+    if (plan_alloc(p, n) < 0)
         goto done;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         ritem *it = &p->job.items[i];
         const char *stype;

@@ -388,7 +388,6 @@ int dcpx_archive_build(dcpx_archive *a, char *mem, size_t cap, size_t tail_skip,
     a->head_len = head.len;
     a->tail = tail.p;
     a->tail_len = tail.len;
-    a->data_len = nbytes;
     return 0;
 full:
     errno = ERANGE;

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _C
-from ._dtypes import _needs_int_view, dlpack_export, dlpack_view, storage_type_name
+from ._dtypes import _TO_DLPACK, _needs_int_view, dlpack_export, dlpack_view, storage_type_name
 
 
 if TYPE_CHECKING:
@@ -58,7 +58,6 @@ def check_saveable(t: torch.Tensor, key: str) -> str:
 # exports as they are (filled as dtypes are met: check_saveable's answer).
 _DIRECT: dict = {}
 _STRIDED = torch.strided
-_TO_DLPACK = getattr(torch._C, "_to_dlpack_versioned", None)
 
 
 def _direct_payload(t: torch.Tensor) -> Optional[tuple]:

@@ -475,6 +475,5 @@ def plan_local_save(writer, flat: dict, mappings: dict,
     else:
         groups = [[payloads[i] for i in g] for g in plan.groups]
     del payloads
-    pending = (writer.write_payloads(list(names), groups) if base is None
-               else writer.write_payloads(list(names), groups, base=base))
+    pending = writer.write_payloads(list(names), groups, base=base)
     return LocalSave(writer, plan, pending, names)
