@@ -430,3 +430,77 @@ def test_partial_missing_extra_and_byte_keys_as_torch(tmp_path, partial):
         else:
             with pytest.raises(Exception, match="missing"):
                 _dcpx_load(mine, path)
+
+
+@pytest.mark.parametrize("case", ["40_files", "non_ascii_key", "protocol_2"])
+def test_layouts_the_decoder_leaves_to_python_load_as_torch(tmp_path, case):
+    """Checkpoints the C decoder does not take (more than 32 data files, a
+    non-ASCII key, a protocol-2 pickle) load through direct_plan and the
+    cache as torch loads them."""
+    path = tmp_path / "c"
+    if case == "40_files":
+        sd = {f"k{i:02d}": torch.randn(3) + i for i in range(40)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(
+                path, thread_count=40, single_file_per_rank=False), no_dist=True)
+    else:
+        sd = {"\u00e9t\u00e9" if case == "non_ascii_key" else "a": torch.randn(3),
+              "b": torch.randn(2, 2), "z": torch.tensor(2.0), "v": 3}
+        _torch_save(sd, path)
+        if case == "protocol_2":
+            md = pickle.loads((path / ".metadata").read_bytes())
+            (path / ".metadata").write_bytes(pickle.dumps(md, protocol=2))
+    assert _metadata.index((path / ".metadata").read_bytes(), "x") is None
+
+    def dest():
+        return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None
+                for k, v in sd.items()}
+    theirs = dest()
+    assert _torch_load(theirs, path) is None
+    for _ in range(3):
+        mine = dest()
+        _dcpx_load(mine, path)
+        _assert_same(mine, theirs)
+    assert len(_readplan._cache[str(path / ".metadata")].plans) == 1
+
+
+def test_destinations_changed_between_cached_loads(tmp_path):
+    """One key layout, its destinations changed from load to load (dtype,
+    a view, conj / neg bits, a Parameter, another type or shape): each
+    load gives torch's values, or fails where torch fails."""
+    path = tmp_path / "c"
+    sd = {"a": torch.randn(4, 5).half(), "b": torch.randn(6, dtype=torch.complex64),
+          "c": torch.randn(3)}
+    dcpx.save(sd, checkpoint_id=path)
+
+    def base():
+        return {"a": torch.zeros(4, 5, dtype=torch.float16),
+                "b": torch.zeros(6, dtype=torch.complex64), "c": torch.zeros(3)}
+    variants = {
+        "plain": base,
+        "bf16": lambda: {**base(), "a": torch.zeros(4, 5, dtype=torch.bfloat16)},
+        "int16": lambda: {**base(), "a": torch.zeros(4, 5, dtype=torch.int16)},
+        "strided": lambda: {**base(), "a": torch.zeros(5, 4, dtype=torch.float16).t()},
+        "conj": lambda: {**base(), "b": torch.zeros(6, dtype=torch.complex64).conj()},
+        "neg": lambda: {**base(), "c": torch.zeros(3)._neg_view()},
+        "param": lambda: {**base(), "c": torch.nn.Parameter(torch.zeros(3))},
+        "f64": lambda: {**base(), "c": torch.zeros(3, dtype=torch.float64)},
+        "int": lambda: {**base(), "c": 5},
+        "shape": lambda: {**base(), "c": torch.zeros(1, 3)},
+    }
+    order = ["plain"] + list(variants) * 2
+    random.Random(3).shuffle(order)
+    for name in ["plain"] + order:
+        theirs = variants[name]()
+        err = _torch_load(theirs, path)
+        mine = variants[name]()
+        if err is not None:
+            with pytest.raises(Exception, match="'c'|for c"):
+                _dcpx_load(mine, path)
+            continue
+        _dcpx_load(mine, path)
+        for k in theirs:
+            assert type(mine[k]) is type(theirs[k]), (name, k)
+            assert_bit_equal(mine[k].detach().resolve_conj().resolve_neg(),
+                             theirs[k].detach().resolve_conj().resolve_neg(), f"{name} {k}")
