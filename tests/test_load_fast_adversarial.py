@@ -504,3 +504,20 @@ def test_destinations_changed_between_cached_loads(tmp_path):
             assert type(mine[k]) is type(theirs[k]), (name, k)
             assert_bit_equal(mine[k].detach().resolve_conj().resolve_neg(),
                              theirs[k].detach().resolve_conj().resolve_neg(), f"{name} {k}")
+
+
+def test_meta_destination_is_refused_naming_its_key(tmp_path):
+    """A tensor on the meta device has no memory: copy_ into it does
+    nothing, and the load reported success with no data loaded.  torch's
+    load fails there too (without a process group); dcpx names the key.
+    A meta tensor the checkpoint lacks, with allow_partial_load, is left."""
+    path = tmp_path / "c"
+    dcpx.save({"a": torch.randn(4, 5), "b": torch.randn(3)}, checkpoint_id=path)
+    assert _torch_load({"a": torch.empty(4, 5, device="meta"), "b": torch.zeros(3)},
+                       path) is not None
+    for _ in range(2):
+        with pytest.raises(ValueError, match="'a'.*meta device"):
+            _dcpx_load({"a": torch.empty(4, 5, device="meta"), "b": torch.zeros(3)}, path)
+    dst = {"b": torch.zeros(3), "gone": torch.empty(2, device="meta")}
+    _dcpx_load(dst, path, partial=True)
+    assert dst["gone"].is_meta and dst["b"].abs().sum() > 0
