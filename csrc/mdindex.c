@@ -1049,11 +1049,13 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
             }
             if (rc < 0)
                 break;
-            /* whole_chunks: the last entry whose offset is its chunk's (all
-             * zeros, or None for a 0-d tensor) */
+            /* whole_chunks: the entry whose offset is its chunk's (all
+             * zeros; not None, even for a 0-d tensor: torch and plan_reads
+             * look the chunk up by its offsets, torch.Size([]), which an
+             * offset-less MetadataIndex does not equal) */
             if (e >= 0 && ix->e[e].eligible) {
                 mentry *me = &ix->e[e];
-                int match = se->off_ndim < 0 ? me->ndim == 0 : se->off_ndim == me->ndim;
+                int match = se->off_ndim == me->ndim;
                 for (int d = 0; match && d < se->off_ndim; d++)
                     match = ix->dims[se->off_at + d] == 0;
                 if (match)

@@ -52,7 +52,8 @@
 #define RUN_MAX ((uint64_t)1 << 20)      /* bytes of one grouped pread */
 #define RUN_GAP ((uint64_t)4 << 10)      /* largest gap read through in a run */
 
-enum { RD_OK = 0, RD_FALLBACK = 1, RD_CORRUPT = 2, RD_IO = 3, RD_CRC = 4 };
+enum { RD_OK = 0, RD_FALLBACK = 1, RD_CORRUPT = 2, RD_IO = 3, RD_CRC = 4,
+       RD_SERIAL = 5 /* inside execute() only: read after the workers */ };
 
 typedef struct {
     Py_ssize_t file;
@@ -77,6 +78,8 @@ typedef struct {
     Py_ssize_t nfiles;
     int verify;
     atomic_long next;
+    Py_ssize_t *serial;              /* execute(): items whose destinations overlap */
+    Py_ssize_t nserial;
 } rjob;
 
 typedef struct {
@@ -436,6 +439,128 @@ static int make_runs(rjob *job)
     return 0;
 }
 
+/* Destinations that share bytes (several keys bound to one tensor, as tied
+ * weights are; overlapping views of one storage): read at once by two
+ * workers, each archive's bytes would land over the other's, and a CRC
+ * computed from the destination after its pread would see the other's
+ * bytes (a false mismatch) or a mix of both would be left.  Such items
+ * are read one after another once the workers are done, in the order
+ * torch's FileSystemReader copies them (the files in the order they first
+ * appear among the items, then the items' own order), so that the last
+ * one wins as it does there.  Sets job->serial (NULL when no destination
+ * overlaps another, the rule); -1 without memory. */
+typedef struct {
+    uintptr_t beg, end;
+    Py_ssize_t index;
+} span;
+
+static int span_cmp(const void *pa, const void *pb)
+{
+    const span *x = pa, *y = pb;
+    if (x->beg != y->beg)
+        return x->beg < y->beg ? -1 : 1;
+    return x->index < y->index ? -1 : (x->index > y->index);
+}
+
+static int find_overlaps(rjob *job)
+{
+    Py_ssize_t n = 0, m = 0;
+    job->serial = NULL;
+    job->nserial = 0;
+    if (job->n < 2)
+        return 0;
+    span *sp = PyMem_RawMalloc(sizeof(span) * (size_t)job->n);
+    if (sp == NULL)
+        return -1;
+    int sorted = 1;
+    /* in the reads' order (files, offsets): the order the tensors were
+     * made in, as a rule, so their addresses mostly ascend */
+    for (Py_ssize_t k = 0; k < job->n; k++) {
+        Py_ssize_t i = job->order[k];
+        const ritem *it = &job->items[i];
+        if (it->code != RD_OK || it->dest.nbytes == 0)
+            continue;
+        sp[n].beg = (uintptr_t)it->dest.data;
+        sp[n].end = sp[n].beg + (uintptr_t)it->dest.nbytes;
+        sp[n].index = i;
+        if (n > 0 && sp[n].beg < sp[n - 1].beg)
+            sorted = 0;
+        n++;
+    }
+    if (!sorted)
+        qsort(sp, (size_t)n, sizeof(span), span_cmp);
+    /* clusters of spans that overlap, in address order: a cluster of two
+     * or more is read serially (one that overlaps none is not) */
+    uintptr_t end = 0;
+    Py_ssize_t first = 0;
+    for (Py_ssize_t k = 0; k <= n; k++) {
+        if (k < n && k > 0 && sp[k].beg < end) {
+            if (sp[k].end > end)
+                end = sp[k].end;
+            continue;
+        }
+        if (k - first > 1) {         /* sp[first .. k) overlap: mark them */
+            for (Py_ssize_t j = first; j < k; j++)
+                sp[m++].index = sp[j].index;
+        }
+        if (k < n) {
+            first = k;
+            end = sp[k].end;
+        }
+    }
+    Py_ssize_t *serial = m ? PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)m) : NULL;
+    Py_ssize_t *rank = m ? PyMem_RawMalloc(sizeof(Py_ssize_t) * (size_t)(job->nfiles + 1))
+                         : NULL;
+    if (m == 0 || serial == NULL || rank == NULL) {
+        PyMem_RawFree(sp);
+        PyMem_RawFree(serial);
+        PyMem_RawFree(rank);
+        return m == 0 ? 0 : -1;
+    }
+    /* their order: (rank of the item's file, item index) */
+    for (Py_ssize_t f = 0; f < job->nfiles; f++)
+        rank[f] = -1;
+    for (Py_ssize_t i = 0, r = 0; i < job->n; i++)
+        if (rank[job->items[i].file] < 0)
+            rank[job->items[i].file] = r++;
+    for (Py_ssize_t j = 0; j < m; j++)
+        sp[j].beg = (uintptr_t)rank[job->items[sp[j].index].file];
+    qsort(sp, (size_t)m, sizeof(span), span_cmp);
+    for (Py_ssize_t j = 0; j < m; j++)
+        serial[j] = sp[j].index;
+    PyMem_RawFree(sp);
+    PyMem_RawFree(rank);
+    for (Py_ssize_t j = 0; j < m; j++)
+        job->items[serial[j]].code = RD_SERIAL;  /* the workers skip them */
+    job->serial = serial;
+    job->nserial = m;
+    return 0;
+}
+
+/* The items find_overlaps set apart, one after another (files open). */
+static void read_serial(rjob *job)
+{
+    scratch s;
+    if (job->nserial == 0)
+        return;
+    s.buf = malloc(WHOLE_MAX > 2 * WINDOW ? WHOLE_MAX : 2 * WINDOW);
+    s.run = NULL;
+    for (Py_ssize_t j = 0; j < job->nserial; j++) {
+        ritem *it = &job->items[job->serial[j]];
+        int fd = job->fds[it->file];
+        it->code = RD_OK;
+        if (s.buf == NULL)
+            fail(it, RD_IO, ENOMEM, "out of memory");
+        else if (fd < 0 && job->fwhy[it->file] != NULL)
+            fail(it, RD_CORRUPT, 0, job->fwhy[it->file]);
+        else if (fd < 0)
+            fail(it, RD_IO, -fd - 1, "open failed");
+        else
+            read_one(job, it, &s);
+    }
+    free(s.buf);
+}
+
 static void run_threads(rjob *job, int nthreads)
 {
     atomic_store(&job->next, 0);
@@ -445,6 +570,7 @@ static void run_threads(rjob *job, int nthreads)
             job->fds[f] = -errno - 1; /* reported per item */
     }
     dcpx_run_workers(rworker, job, nthreads);
+    read_serial(job);
     for (Py_ssize_t f = 0; f < job->nfiles; f++)
         if (job->fds[f] >= 0)
             close(job->fds[f]);
@@ -536,11 +662,16 @@ static PyObject *execute(rjob *job, int nthreads)
     PyObject *out;
     if (job->order == NULL && make_runs(job) < 0)
         return PyErr_NoMemory();
+    if (find_overlaps(job) < 0)
+        return PyErr_NoMemory();
     if (nthreads > job->nruns)
         nthreads = job->nruns > 0 ? (int)job->nruns : 1;
     Py_BEGIN_ALLOW_THREADS
     run_threads(job, nthreads);
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(job->serial);
+    job->serial = NULL;
+    job->nserial = 0;
     out = PyList_New(0);
     for (Py_ssize_t i = 0; out != NULL && i < job->n; i++) {
         ritem *it = &job->items[i];

@@ -848,6 +848,14 @@ def plan_reads(reader: FileSystemReader, metadata: Metadata, flat: dict,
             raise ValueError(f"Size mismatch between saved {md.size} and current: "
                              f"{obj.size()} for {fqn}")
         target, offsets, sizes = local_chunk(obj)
+        if target.device.type == "meta":
+            # copy_ into it does nothing: the load would report success and
+            # leave no data (torch's load fails here without a process
+            # group, and replaces the tensor with one on the group's device
+            # with one)
+            raise ValueError(f"dcpx: cannot load {fqn!r} into a tensor on the meta device "
+                             f"(it holds no data): allocate it first, e.g. with "
+                             f"Module.to_empty(device=...)")
         volume = 1
         for n in sizes:
             volume *= n

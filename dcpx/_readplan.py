@@ -129,8 +129,12 @@ class Checkpoint:
                 md = sdm.get(k.fqn)
                 if type(md) is TensorStorageMetadata and len(md.chunks) == 1:
                     ch = md.chunks[0]
+                    # k.offset None (a non-tensor's index) is not the
+                    # chunk's, even for a 0-d tensor: torch and plan_reads
+                    # look the chunk up by MetadataIndex(fqn, offsets)
                     if (ch.sizes == md.size and not any(ch.offsets)
-                            and tuple(k.offset or ()) == tuple(ch.offsets)
+                            and k.offset is not None
+                            and tuple(k.offset) == tuple(ch.offsets)
                             and md.size.numel() > 0):
                         index[k.fqn] = v
             self.whole_index = index
