@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from . import _metadata, _readplan
 from ._files import DCP_VERSION
+from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._pending import _Entry, tensor_payload
 from ._plan import (  # noqa: F401 (the planner's names, as before)
@@ -850,12 +851,13 @@ def plan_reads(reader: FileSystemReader, metadata: Metadata, flat: dict,
         target, offsets, sizes = local_chunk(obj)
         if target.device.type == "meta":
             # copy_ into it does nothing: the load would report success and
-            # leave no data (torch's load fails here without a process
-            # group, and replaces the tensor with one on the group's device
-            # with one)
-            raise ValueError(f"dcpx: cannot load {fqn!r} into a tensor on the meta device "
-                             f"(it holds no data): allocate it first, e.g. with "
-                             f"Module.to_empty(device=...)")
+            # leave no data.  With a process group, load_flat replaces it
+            # first, as torch does; without one torch fails too.
+            raise MetaDestinationError(
+                f"dcpx: cannot load {fqn!r} into a tensor on the meta device (it holds no "
+                f"data): allocate it first, e.g. with Module.to_empty(device=...), or load "
+                f"with a process group initialised (the tensor is then replaced by one on "
+                f"the group's device, as torch.distributed.checkpoint.load does)")
         volume = 1
         for n in sizes:
             volume *= n
@@ -897,10 +899,37 @@ def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRead
     (``open_checkpoint``): through a compiled read plan when every tensor is
     read whole and in place (cached per layout, dcpx/_readplan.py), else
     planned here (resharding, casts, devices, views, and every error)."""
-    if _load_flat(flat, mappings, original, reader, ck, allow_partial_load):
+    try:
+        planned = _load_flat(flat, mappings, original, reader, ck, allow_partial_load)
+    except MetaDestinationError:
+        if not _materialize_meta(original):
+            raise
+        flat, mappings = flatten_state_dict(original)
+        planned = _load_flat(flat, mappings, original, reader, ck, allow_partial_load)
+    if planned:
         # Loaded through a plan: the Metadata objects are not needed by
         # the next load of this layout (dcpx/_readplan.py, Checkpoint).
         ck.release()
+
+
+class MetaDestinationError(ValueError):
+    """A load's destination is a tensor on the meta device (plan_reads)."""
+
+
+def _materialize_meta(original: dict) -> bool:
+    """With a process group initialised, replace the meta tensors (and
+    DTensors) in ``original`` by empty ones on the group's device, in place,
+    as torch's DefaultLoadPlanner does before it plans a load
+    (``planner_helpers._init_state_dict``); False without a group (torch's
+    load fails there too) or without that helper (torch < 2.5)."""
+    try:
+        from torch.distributed.checkpoint.planner_helpers import _init_state_dict
+    except ImportError:
+        return False
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    _init_state_dict(original)
+    return True
 
 
 def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
