@@ -94,7 +94,14 @@ class _Worker:
         else:
             # Buffers are identified by a serial number, never by id(): a new
             # buffer may reuse a freed one's address.
-            self.conn.send(self._staged_message(config, layout))
+            msg = self._staged_message(config, layout)
+            try:
+                self.conn.send(msg)
+            except BaseException:
+                # Not sent (a non-tensor value that does not pickle): the
+                # worker did not get the layout this message described.
+                self.sent_layouts.pop(layout.buffer.serial, None)
+                raise
         status, result = self.conn.recv()
         if status == "err":
             if layout is not None:  # the worker may not have kept the layout: resend it

@@ -1,0 +1,735 @@
+"""Adversarial tests of the save-side fast paths that skip work when
+"nothing changed" since the previous save: the plan cache (dcpx/_plan.py,
+``_C.scan_plain``), the reused metadata encoding (``_metadata.Splice``, the
+split form of ``.metadata``), the stager's reuse of its layout
+(``DefaultStager._reuse``, ``_flat_as_is``), the upload's kept payloads
+(``staging.UploadScan``, base items of the C writer) and the checkpoint
+process's kept views (``_process._StagedViews``).
+
+Every test saves a sequence of state dicts that differ in one thing at a
+time (values, dtype, shape, requires_grad, storage, contiguity, a tensor
+becoming a non-tensor and back, non-tensor contents, key order, keys added
+or removed, nesting, checkpoint path, Stateful objects, failed saves) with
+the same writer / stager / directory or with new ones, and after every save
+loads the checkpoint into a fresh state dict with ``dcpx.load`` (read-plan
+cache cleared and not) and with ``torch.distributed.checkpoint.load``,
+comparing bit-exact, non-tensor values by type and value, and the metadata
+(dtype, size, requires_grad of every tensor, non-tensors as bytes, the
+planner data) with what was saved."""
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as tdcp
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+import dcpx
+import dcpx._commit
+from conftest import raw_bytes
+from dcpx import _plan, _readplan
+from dcpx._flatten import flatten_state_dict
+
+
+THREAD = dcpx.AsyncCheckpointerType.THREAD
+PROCESS = dcpx.AsyncCheckpointerType.PROCESS
+
+
+# ---------------------------------------------------------------- checking
+
+def _snapshot(obj):
+    """What a save of ``obj`` must give back: tensors cloned (same dtype,
+    shape, requires_grad), Stateful objects as their state_dict(), the rest
+    deep-copied."""
+    if isinstance(obj, torch.Tensor):
+        c = obj.detach().clone()
+        return c.requires_grad_(obj.requires_grad) if c.is_floating_point() or c.is_complex() \
+            else c
+    if isinstance(obj, dict):
+        return type(obj)((k, _snapshot(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_snapshot(v) for v in obj]
+    if isinstance(obj, dcpx.Stateful):
+        raise AssertionError("snapshot the state dict after its Stateful values are resolved")
+    return copy.deepcopy(obj)
+
+
+def _empty_like(obj):
+    """A destination of the same structure: zeroed tensors of the same
+    dtype and shape, non-tensor leaves None."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros(obj.numel() * obj.element_size(),
+                           dtype=torch.uint8).view(obj.dtype).reshape(obj.shape)
+    if isinstance(obj, dict):
+        return type(obj)((k, _empty_like(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        from dcpx.staging import _is_terminal
+        if _is_terminal(obj):
+            return None
+        return [_empty_like(v) for v in obj]
+    return None
+
+
+def _same(got, want, path="") -> None:
+    """Bit-exact tensors (dtype, shape, bytes); other values by type and ==."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{path}: {type(got).__name__} is not a tensor"
+        assert got.dtype == want.dtype and got.shape == want.shape, \
+            f"{path}: {got.dtype}{list(got.shape)} != {want.dtype}{list(want.shape)}"
+        assert raw_bytes(got) == raw_bytes(want), f"{path}: tensor bytes differ"
+        return
+    assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, dict):
+        # torch's load puts the non-tensor values under an int key at the
+        # key's str (set_element with the flattened path); dcpx does as torch.
+        moved = {str(k) for k in want if type(k) is int and str(k) not in want}
+        assert set(want) <= set(got) and set(got) - set(want) <= moved, \
+            f"{path}: keys {list(got)} != {list(want)}"
+        for k in want:
+            g = got[k]
+            if str(k) in moved and str(k) in got:
+                g = {**g, **got[str(k)]}
+            _same(g, want[k], f"{path}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{path}: length differs"
+        for i, (a, b) in enumerate(zip(got, want)):
+            _same(a, b, f"{path}[{i}]")
+    else:
+        assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def _check_metadata(path, want) -> None:
+    """The committed .metadata (read as torch reads it) describes ``want``."""
+    with open(Path(path) / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    flat, mappings = flatten_state_dict(want)
+    sdm = md.state_dict_metadata
+    assert set(sdm) == set(flat), f"keys {sorted(sdm)} != {sorted(flat)}"
+    assert dict(md.planner_data) == dict(mappings)
+    for k, v in flat.items():
+        m = sdm[k]
+        if isinstance(v, torch.Tensor):
+            assert type(m) is TensorStorageMetadata, f"{k}: {type(m).__name__}"
+            assert m.properties.dtype == v.dtype, f"{k}: {m.properties.dtype} != {v.dtype}"
+            assert tuple(m.size) == tuple(v.shape), f"{k}: {list(m.size)} != {list(v.shape)}"
+            assert m.properties.requires_grad == v.requires_grad, f"{k}: requires_grad"
+            assert [tuple(c.sizes) for c in m.chunks] == [tuple(v.shape)]
+        else:
+            assert type(m) is BytesStorageMetadata, f"{k}: {type(m).__name__}"
+    files = {info.relative_path for info in md.storage_data.values()}
+    for name in files:
+        assert (Path(path) / name).is_file(), f"{name} is referenced but missing"
+
+
+def verify(path, want) -> None:
+    """``path`` holds exactly ``want``: loaded fresh by dcpx (cache cleared,
+    then cached) and by torch DCP, and described by its metadata."""
+    _check_metadata(path, want)
+    for clear in (True, False):
+        if clear:
+            _readplan.clear()
+        got = _empty_like(want)
+        dcpx.load(got, checkpoint_id=str(path))
+        _same(got, want, f"dcpx.load(clear={clear})")
+    by_torch = _empty_like(want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.load(by_torch, storage_reader=tdcp.FileSystemReader(str(path)), no_dist=True)
+    _same(by_torch, want, "torch load")
+    _same(got, by_torch, "dcpx.load vs torch load")
+
+
+# ---------------------------------------------------------------- savers
+
+class Saver:
+    """Saves with one configuration, keeping its writer and stager (if any)
+    across saves, as a training loop does."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self.writer = None
+        self.stager = None
+        if "stager" in mode:
+            self.stager = dcpx.DefaultStager(dcpx.StagingOptions(
+                use_pinned_memory=False, use_shared_memory="process" in mode,
+                use_async_staging="async" in mode, use_non_blocking_copy=False))
+
+    def close(self):
+        if self.stager is not None:
+            self.stager.close()
+
+    def save(self, sd, path, mutate_after=None):
+        """Save ``sd`` into ``path``; ``mutate_after()`` runs as soon as the
+        call has staged (async) or returned (sync): the checkpoint must not
+        see it."""
+        path = str(path)
+        mode = self.mode
+        if mode == "sync-new-writer":
+            dcpx.save(sd, checkpoint_id=path)
+        elif mode == "sync-same-writer":
+            if self.writer is None:
+                self.writer = dcpx.FileSystemWriter(path, sync_files=False)
+            dcpx.save(sd, storage_writer=self.writer, checkpoint_id=path)
+        else:
+            kind = PROCESS if mode.startswith("process") else THREAD
+            out = dcpx.async_save(sd, checkpoint_id=path, async_checkpointer_type=kind,
+                                  async_stager=self.stager)
+            if isinstance(out, dcpx.AsyncSaveResponse):
+                out.staging_completion.result()
+                out = out.upload_completion
+            if mutate_after is not None:
+                mutate_after()
+            out.result()
+            return
+        if mutate_after is not None:
+            mutate_after()
+
+
+MODES = ["sync-new-writer", "sync-same-writer", "thread-nostager", "thread-stager-sync",
+         "thread-stager-async", "process-nostager", "process-stager-sync",
+         "process-stager-async"]
+FAST_MODES = ["sync-new-writer", "sync-same-writer", "thread-nostager", "thread-stager-sync",
+              "thread-stager-async"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches():
+    _plan.clear_plan_cache()
+    _readplan.clear()
+    yield
+    _plan.clear_plan_cache()
+    _readplan.clear()
+
+
+# ---------------------------------------------------------------- state dicts
+
+def base_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(4, 6, generator=g),
+            "b": torch.randn(6, generator=g),
+            "emb": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+            "i8": torch.randint(-100, 100, (7,), dtype=torch.int8, generator=g),
+            "mask": torch.rand(9, generator=g) > 0.5,
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.empty(0, 3),
+        },
+        "opt": {
+            "state": {0: {"step": 3, "exp_avg": torch.randn(4, 6, generator=g)},
+                      1: {"step": 3, "exp_avg": torch.randn(6, generator=g)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1]}],
+            "counts": {"a": 1, "b": 2},
+        },
+        "step": 7,
+        "name": "run-a",
+        "blob": b"xyz",
+        "ratio": 0.5,
+        "tags": ["x", "y"],
+        # a leaf (torch.save'd as bytes) holding a tensor: the checkpoint
+        # holds its values at the call, too
+        "pair": (torch.arange(3.0), "s"),
+    }
+
+
+def _tensors(sd):
+    """Every tensor in sd, in containers and in tuple / list values."""
+    out = []
+    for v in (sd.values() if isinstance(sd, dict) else sd):
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (dict, list, tuple)):
+            out.extend(_tensors(v))
+    return out
+
+
+def _bump(t: torch.Tensor) -> None:
+    with torch.no_grad():
+        if t.dtype == torch.bool:
+            t.logical_not_()
+        elif t.is_floating_point() or t.is_complex():
+            t.mul_(1.5).add_(0.25)
+        else:
+            t.add_(3)
+
+
+class _Model:
+    """The "model" entries of a state dict, nested (``sd["model"][k]``) or
+    flat (``sd["model." + k]``, after ``m_nest_flip``)."""
+
+    def __init__(self, sd):
+        self.sd = sd
+        self.nested = "model" in sd
+
+    def __getitem__(self, k):
+        return self.sd["model"][k] if self.nested else self.sd[f"model.{k}"]
+
+    def __setitem__(self, k, v):
+        if self.nested:
+            self.sd["model"][k] = v
+        else:
+            self.sd[f"model.{k}"] = v
+
+    def get(self, k, default=None):
+        try:
+            return self[k]
+        except KeyError:
+            return default
+
+    def keys(self):
+        if self.nested:
+            return list(self.sd["model"])
+        return [k[len("model."):] for k in self.sd if isinstance(k, str) and k.startswith("model.")]
+
+    def pop(self, k, default=None):
+        return (self.sd["model"] if self.nested else self.sd).pop(
+            k if self.nested else f"model.{k}", default)
+
+
+def m_values(sd):  # the values only, in place
+    for t in _tensors(sd):
+        _bump(t)
+    return sd
+
+
+def m_dtype(sd):
+    w = _Model(sd)["w"]
+    _Model(sd)["w"] = w.to(torch.float64 if w.dtype != torch.float64 else torch.float32)
+    return sd
+
+
+def m_dtype_same_size(sd):  # float32 <-> int32: same bytes, same shape
+    b = _Model(sd)["b"]
+    if isinstance(b, torch.Tensor) and b.dtype in (torch.float32, torch.int32):
+        _Model(sd)["b"] = b.detach().view(torch.int32 if b.dtype == torch.float32
+                                          else torch.float32)
+    return sd
+
+
+def m_shape(sd):  # same numel
+    w = _Model(sd)["w"]
+    _Model(sd)["w"] = w.reshape(w.shape[::-1]).clone()
+    return sd
+
+
+def m_requires_grad(sd):
+    b = _Model(sd)["b"]
+    if isinstance(b, torch.Tensor) and b.is_floating_point():
+        _Model(sd)["b"] = b.detach().clone().requires_grad_(not b.requires_grad)
+    return sd
+
+
+def _opt_state(sd, i):
+    """The optimizer state of parameter i (keyed by int or, after
+    m_int_key_as_str, by str)."""
+    states = sd["opt"]["state"]
+    return states[i] if i in states else states[str(i)]
+
+
+def m_parameter(sd):
+    s0 = _opt_state(sd, 0)
+    w = s0["exp_avg"]
+    if isinstance(w, torch.nn.Parameter):
+        s0["exp_avg"] = w.detach().clone()
+    elif isinstance(w, torch.Tensor) and w.is_floating_point():
+        s0["exp_avg"] = torch.nn.Parameter(w.detach().clone(), requires_grad=False)
+    return sd
+
+
+def m_other_storage(sd):  # same shape and dtype, a view into another storage
+    b = _Model(sd)["b"]
+    if isinstance(b, torch.Tensor):
+        big = torch.randn(40).to(b.dtype)
+        v = big[13:13 + b.numel()].view(b.shape)
+        _Model(sd)["b"] = v.requires_grad_(b.requires_grad) if b.requires_grad else v
+    return sd
+
+
+def m_non_contiguous(sd):  # same shape and dtype, strided
+    w = _Model(sd)["w"]
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        r, c = w.shape
+        _Model(sd)["w"] = torch.randn(c, r).to(w.dtype).t()
+    return sd
+
+
+def m_strided_slice(sd):
+    s1 = _opt_state(sd, 1)
+    e = s1["exp_avg"]
+    if isinstance(e, torch.Tensor):
+        s1["exp_avg"] = torch.randn(e.numel() * 2).to(e.dtype)[::2]
+    return sd
+
+
+def m_neg_conj(sd):  # a complex conj view and a neg-bit view
+    c = torch.randn(5, dtype=torch.complex64)
+    _Model(sd)["cplx"] = c.conj()
+    _Model(sd)["negv"] = torch.randn(3, dtype=torch.complex64).conj().imag
+    return sd
+
+
+def m_plain_again(sd):  # back to fresh, contiguous, plain copies
+    def walk(d):
+        for k, v in d.items():
+            if isinstance(v, torch.Tensor):
+                d[k] = v.detach().resolve_conj().resolve_neg().contiguous().clone() \
+                    .requires_grad_(v.requires_grad)
+            elif isinstance(v, dict):
+                walk(v)
+    walk(sd)
+    return sd
+
+
+_NON_TENSORS = [5, "a string", b"\x00bytes\xff", bytearray(b"ba"), [1, 2, 3], (4, "t"), None,
+                3.25, {"k": 1}]
+
+
+def m_to_non_tensor(sd):
+    v = _Model(sd)["b"]
+    i = 0 if isinstance(v, torch.Tensor) else (_NON_TENSORS.index(v) + 1
+                                                if v in _NON_TENSORS else 0)
+    _Model(sd)["b"] = _NON_TENSORS[i % len(_NON_TENSORS)]
+    return sd
+
+
+def m_to_tensor(sd):
+    if not isinstance(_Model(sd).get("b"), torch.Tensor):
+        _Model(sd)["b"] = torch.randn(6)
+    return sd
+
+
+def m_non_tensor_content(sd):
+    sd["step"] += 1
+    # pickles of other lengths (bounded): later offsets move
+    sd["name"] = sd["name"] + "x" if len(sd["name"]) < 12 else "run-a"
+    _opt_state(sd, 0)["step"] += 1
+    sd["opt"]["param_groups"][0]["lr"] *= 0.5
+    sd["opt"]["counts"]["a"] = sd["opt"]["counts"]["a"] * 1000 + 1
+    sd["tags"] = sd["tags"] + ["z"] if len(sd["tags"]) < 5 else sd["tags"][:2]
+    sd["blob"] = sd["blob"] * 2 if len(sd["blob"]) < 100 else b"xyz"
+    return sd
+
+
+def m_non_tensor_same_length(sd):  # same pickle length, other content
+    sd["name"] = sd["name"][:-1] + chr(ord(sd["name"][-1]) ^ 1)
+    sd["opt"]["counts"]["b"] ^= 1
+    return sd
+
+
+def m_key_order(sd):
+    if "model" in sd:
+        sd["model"] = dict(reversed(list(sd["model"].items())))
+    else:
+        sd = dict(reversed(list(sd.items())))
+    return sd
+
+
+def m_top_order(sd):
+    return dict(reversed(list(sd.items())))
+
+
+def m_add_key(sd):
+    m = _Model(sd)
+    m[f"extra{len(m.keys())}"] = torch.randn(2, 2)
+    return sd
+
+
+def m_remove_key(sd):
+    m = _Model(sd)
+    keys = [k for k in m.keys() if k.startswith("extra")] or ["emb"]
+    m.pop(keys[-1], None)
+    return sd
+
+
+def m_nest_flip(sd):  # {"model": {"w": t}} <-> {"model.w": t}: same flat keys
+    if "model" in sd:
+        inner = sd.pop("model")
+        sd.update({f"model.{k}": v for k, v in inner.items()})
+    else:
+        keys = [k for k in sd if isinstance(k, str) and k.startswith("model.")]
+        sd["model"] = {k[len("model."):]: sd.pop(k) for k in keys}
+    return sd
+
+
+def m_int_key_as_str(sd):  # opt.state keyed by 0 <-> "0": same flat keys
+    st_ = sd["opt"]["state"]
+    sd["opt"]["state"] = {(str(k) if isinstance(k, int) else int(k)): v for k, v in st_.items()}
+    return sd
+
+
+def m_dict_leaf_list(sd):  # a terminal list <-> a list holding a tensor
+    if isinstance(sd["tags"], list) and any(isinstance(x, torch.Tensor) for x in sd["tags"]):
+        sd["tags"] = ["x", "y"]
+    else:
+        sd["tags"] = [torch.arange(3), "y"]
+    return sd
+
+
+MUTATIONS = {f.__name__[2:]: f for f in (
+    m_values, m_dtype, m_dtype_same_size, m_shape, m_requires_grad, m_parameter,
+    m_other_storage, m_non_contiguous, m_strided_slice, m_neg_conj, m_plain_again,
+    m_to_non_tensor, m_to_tensor, m_non_tensor_content, m_non_tensor_same_length,
+    m_key_order, m_top_order, m_add_key, m_remove_key, m_nest_flip, m_int_key_as_str,
+    m_dict_leaf_list)}
+
+
+def _run_sequence(saver: Saver, names, dirs, sd=None) -> None:
+    """Save ``sd`` (base_state()) once, then once after each mutation,
+    verifying every checkpoint; in-place changes right after each call must
+    not reach its checkpoint."""
+    sd = base_state() if sd is None else sd
+    for step, name in enumerate(["start", *names]):
+        if name != "start":
+            sd = MUTATIONS[name](sd)
+        path = dirs[step % len(dirs)]
+        want = _snapshot(sd)
+        saver.save(sd, path, mutate_after=lambda: m_values(sd))
+        try:
+            verify(path, want)
+        except AssertionError as e:
+            raise AssertionError(f"{saver.mode}: after {['start', *names][:step + 1]} "
+                                 f"into {Path(path).name}: {e}") from e
+
+
+# ---------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_change_then_back_loads_exactly(tmp_path, mode):
+    """Every mutation in turn, each followed by a save into the same
+    directory and by saves that change only values (the reused plan and
+    layout) and only non-tensor values (the reused plan, another layout),
+    then a second pass of the mutations (the caches now hold the first
+    pass's layouts)."""
+    saver = Saver(mode)
+    try:
+        names = [n for m in MUTATIONS for n in (m, "values", "non_tensor_content", "values")]
+        names += list(MUTATIONS)
+        _run_sequence(saver, names, [tmp_path / "ck"])
+    finally:
+        saver.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alternating_directories_load_exactly(tmp_path, mode):
+    """The same state dict saved into two directories in turn, changing
+    between saves."""
+    saver = Saver(mode)
+    try:
+        names = ["values", "non_tensor_content", "values", "to_non_tensor", "to_tensor",
+                 "values", "shape", "shape", "values", "non_tensor_same_length"]
+        _run_sequence(saver, names, [tmp_path / "a", tmp_path / "b", tmp_path / "a"])
+    finally:
+        saver.close()
+
+
+@pytest.mark.parametrize("mode", FAST_MODES)
+def test_two_savers_alternating(tmp_path, mode):
+    """Two stagers / writers of one kind, used in turn on two state dicts of
+    the same keys but different contents."""
+    s1, s2 = Saver(mode), Saver(mode)
+    try:
+        a, b = base_state(1), base_state(2)
+        b["model"]["w"] = b["model"]["w"].to(torch.float64)
+        b["name"] = "another, longer name"
+        for i in range(4):
+            for saver, sd, d in ((s1, a, "a"), (s2, b, "b"), (s2, a, "c"), (s1, b, "d")):
+                want = _snapshot(sd)
+                saver.save(sd, tmp_path / d)
+                verify(tmp_path / d, want)
+            m_values(a)
+            m_non_tensor_content(b)
+    finally:
+        s1.close()
+        s2.close()
+
+
+class _Changing:
+    """A Stateful whose state_dict() differs call to call: values, keys,
+    types and nesting."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def state_dict(self):
+        self.calls += 1
+        n = self.calls
+        kinds = [
+            {"t": torch.full((3,), float(n)), "n": n},
+            {"t": torch.full((3,), float(n), dtype=torch.float64), "n": n},
+            {"t": n, "n": torch.full((2,), float(n))},
+            {"t": torch.full((3,), float(n)), "n": n, "extra": {"x": torch.ones(1) * n}},
+            {"n": n, "t": torch.full((3,), float(n))},
+        ]
+        return kinds[n % len(kinds)]
+
+    def load_state_dict(self, sd):
+        self.loaded = sd
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stateful_returning_something_else_each_call(tmp_path, mode):
+    saver = Saver(mode)
+    try:
+        obj = _Changing()
+        for _ in range(7):
+            sd = {"obj": obj, "w": torch.randn(3)}
+            before = obj.calls
+            saver.save(sd, tmp_path / "ck")
+            assert obj.calls == before + 1
+            n = obj.calls
+            probe = _Changing()
+            probe.calls = n - 1
+            want = {"obj": _snapshot(probe.state_dict()), "w": sd["w"].clone()}
+            verify(tmp_path / "ck", want)
+    finally:
+        saver.close()
+
+
+class _Raising:
+    def __init__(self):
+        self.fail = True
+
+    def state_dict(self):
+        if self.fail:
+            raise RuntimeError("boom from state_dict")
+        return {"ok": torch.ones(2)}
+
+    def load_state_dict(self, sd):
+        pass
+
+
+def _failing_saves():
+    """(name, make the save fail, undo): each a different point of failure."""
+    def unpicklable(sd):
+        sd["bad"] = lambda: 0  # torch.save of the value raises
+
+    def undo_unpicklable(sd):
+        sd.pop("bad", None)
+
+    def meta_tensor(sd):
+        sd["model"]["w"] = torch.empty(sd["model"]["w"].shape, device="meta")
+
+    def undo_meta(sd):
+        sd["model"]["w"] = torch.randn(4, 6)
+
+    def stateful(sd):
+        sd["st"] = _Raising()
+
+    def undo_stateful(sd):
+        sd.pop("st", None)
+
+    return [("unpicklable", unpicklable, undo_unpicklable),
+            ("meta", meta_tensor, undo_meta),
+            ("stateful", stateful, undo_stateful)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("failure", [f[0] for f in _failing_saves()])
+def test_a_failed_save_keeps_the_last_checkpoint_and_the_next_save_is_right(
+        tmp_path, mode, failure):
+    _, fail, undo = next(f for f in _failing_saves() if f[0] == failure)
+    saver = Saver(mode)
+    try:
+        path = tmp_path / "ck"
+        sd = base_state()
+        for round_ in range(3):
+            want = _snapshot(sd)
+            saver.save(sd, path)
+            verify(path, want)
+            m_values(sd)
+            m_non_tensor_content(sd)
+            fail(sd)
+            with pytest.raises(Exception):
+                saver.save(sd, path)
+            verify(path, want)  # the failed save committed nothing
+            undo(sd)
+            if round_ == 1:
+                m_shape(sd)
+    finally:
+        saver.close()
+
+
+@pytest.mark.parametrize("mode", ["sync-new-writer", "sync-same-writer", "thread-nostager",
+                                  "thread-stager-sync", "thread-stager-async"])
+def test_a_save_failing_at_commit_then_good_saves(tmp_path, mode, monkeypatch):
+    """The commit raises (a full disk, say) after the plan, the encoding
+    and the data files were made: nothing cached from that save may make a
+    later checkpoint wrong."""
+    real = dcpx._commit.commit
+    failing = [False]
+
+    def commit(*args, **kw):
+        if failing[0]:
+            raise OSError(28, "No space left on device (test)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(dcpx._commit, "commit", commit)
+    saver = Saver(mode)
+    try:
+        path = tmp_path / "ck"
+        sd = base_state()
+        for round_ in range(4):
+            want = _snapshot(sd)
+            saver.save(sd, path)
+            verify(path, want)
+            m_values(sd)
+            if round_ % 2:
+                m_non_tensor_content(sd)
+            failing[0] = True
+            with pytest.raises(Exception):
+                saver.save(sd, path)
+            failing[0] = False
+            verify(path, want)
+            m_values(sd)
+    finally:
+        saver.close()
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(mode=st.sampled_from(FAST_MODES),
+       names=st.lists(st.sampled_from(sorted(MUTATIONS)), min_size=1, max_size=8),
+       ndirs=st.integers(1, 2))
+def test_random_sequences_of_changes(tmp_path_factory, mode, names, ndirs):
+    base = tmp_path_factory.mktemp("seq")
+    _plan.clear_plan_cache()
+    saver = Saver(mode)
+    try:
+        _run_sequence(saver, names, [base / f"d{i}" for i in range(ndirs)])
+    finally:
+        saver.close()
+
+
+@pytest.mark.parametrize("stager", ["own", "pooled"])
+def test_process_save_after_one_whose_value_did_not_pickle(tmp_path, stager):
+    """PROCESS: a save whose request to the checkpoint process does not
+    pickle (a non-tensor value that is a lambda) fails; the next save of
+    the same layout, with a picklable value in that slot, must succeed and
+    load.  The parent used to remember the layout as sent although the
+    request never left it, and the next save failed with "layout ... was
+    never sent"."""
+    own = (dcpx.DefaultStager(dcpx.StagingOptions(False, True, False, False))
+           if stager == "own" else None)
+    path = tmp_path / "ck"
+    try:
+        for i in range(2):
+            sd = {"w": torch.randn(5), "v": (lambda: 0), "n": i}
+            if stager == "pooled":
+                sd[f"k{i}"] = torch.ones(i + 1)  # a layout the pool has not sent
+            with pytest.raises(Exception, match="pickle"):
+                dcpx.async_save(sd, checkpoint_id=str(path), async_checkpointer_type=PROCESS,
+                                async_stager=own).result()
+            sd["v"] = 5
+            want = _snapshot(sd)
+            dcpx.async_save(sd, checkpoint_id=str(path), async_checkpointer_type=PROCESS,
+                            async_stager=own).result()
+            verify(path, want)
+    finally:
+        if own is not None:
+            own.close()
