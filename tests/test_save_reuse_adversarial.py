@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 import dcpx
 import dcpx._commit
-from conftest import raw_bytes
+from conftest import SAVEABLE_DTYPES, make_tensor, raw_bytes
 from dcpx import _plan, _readplan
 from dcpx._flatten import flatten_state_dict
 
@@ -157,7 +157,8 @@ class Saver:
         self.stager = None
         if "stager" in mode:
             self.stager = dcpx.DefaultStager(dcpx.StagingOptions(
-                use_pinned_memory=False, use_shared_memory="process" in mode,
+                use_pinned_memory=False,
+                use_shared_memory="process" in mode and "noshm" not in mode,
                 use_async_staging="async" in mode, use_non_blocking_copy=False))
 
     def close(self):
@@ -172,9 +173,12 @@ class Saver:
         mode = self.mode
         if mode == "sync-new-writer":
             dcpx.save(sd, checkpoint_id=path)
-        elif mode == "sync-same-writer":
+        elif mode.startswith("sync-"):
             if self.writer is None:
-                self.writer = dcpx.FileSystemWriter(path, sync_files=False)
+                kw = {"sync-writer-3threads": dict(thread_count=3),
+                      "sync-writer-file-per-item": dict(single_file_per_rank=False)}
+                self.writer = dcpx.FileSystemWriter(path, sync_files=False,
+                                                    **kw.get(mode, {}))
             dcpx.save(sd, storage_writer=self.writer, checkpoint_id=path)
         else:
             kind = PROCESS if mode.startswith("process") else THREAD
@@ -191,10 +195,12 @@ class Saver:
             mutate_after()
 
 
-MODES = ["sync-new-writer", "sync-same-writer", "thread-nostager", "thread-stager-sync",
+MODES = ["sync-new-writer", "sync-same-writer", "sync-writer-3threads",
+         "sync-writer-file-per-item", "thread-nostager", "thread-stager-sync",
          "thread-stager-async", "process-nostager", "process-stager-sync",
-         "process-stager-async"]
-FAST_MODES = ["sync-new-writer", "sync-same-writer", "thread-nostager", "thread-stager-sync",
+         "process-stager-async", "process-stager-noshm-sync"]
+FAST_MODES = ["sync-new-writer", "sync-same-writer", "sync-writer-3threads",
+              "sync-writer-file-per-item", "thread-nostager", "thread-stager-sync",
               "thread-stager-async"]
 
 
@@ -733,3 +739,77 @@ def test_process_save_after_one_whose_value_did_not_pickle(tmp_path, stager):
     finally:
         if own is not None:
             own.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_key_through_every_dtype(tmp_path, mode):
+    """One key's tensor takes every dtype torch.save stores, in turn and
+    back (same shape; the plan's and the stager's dtype checks compare
+    dtype objects, the C scan maps DLPack dtypes to torch dtypes)."""
+    saver = Saver(mode)
+    try:
+        dtypes = list(SAVEABLE_DTYPES) + list(reversed(SAVEABLE_DTYPES))
+        sd = {"x": torch.randn(2, 3), "n": 1, "y": torch.ones(4)}
+        for i, dt in enumerate(dtypes):
+            sd["x"] = make_tensor((2, 3), dt, torch.Generator().manual_seed(i))
+            sd["n"] = i
+            want = _snapshot(sd)
+            saver.save(sd, tmp_path / "ck")
+            try:
+                verify(tmp_path / "ck", want)
+            except AssertionError as e:
+                raise AssertionError(f"{mode}: {dtypes[max(0, i - 1)]} -> {dt}: {e}") from e
+    finally:
+        saver.close()
+
+
+@pytest.mark.parametrize("mode", ["sync-new-writer", "thread-stager-sync", "process-stager-sync"])
+def test_relative_paths_equal_to_keys(tmp_path, monkeypatch, mode):
+    """Relative checkpoint paths whose text equals keys of the state dict
+    (storage_meta, written after the reused part of .metadata, holds the
+    path; short strings are shared objects in Python)."""
+    monkeypatch.chdir(tmp_path)
+    saver = Saver(mode)
+    try:
+        sd = {"a": torch.randn(3), "b": {"a": torch.randn(2), "c": "a"}, "ck": "b"}
+        for i, path in enumerate(["a", "b", "a", "ck", "a", "b"]):
+            sd["a"].add_(1)
+            want = _snapshot(sd)
+            saver.save(sd, path)
+            verify(tmp_path / path, want)
+            with open(tmp_path / path / ".metadata", "rb") as f:
+                assert str(pickle.load(f).storage_meta.checkpoint_id) in (path, str(tmp_path / path))
+    finally:
+        saver.close()
+
+
+class _MyPlanner(__import__("torch.distributed.checkpoint.default_planner",
+                            fromlist=["DefaultSavePlanner"]).DefaultSavePlanner):
+    """A custom planner: PROCESS saves go through torch's save in the
+    checkpoint process."""
+
+
+@pytest.mark.parametrize("how", ["pooled", "stager-shm", "stager-noshm", "custom-planner"])
+def test_process_save_to_a_relative_path_after_chdir(tmp_path, monkeypatch, how):
+    """PROCESS: a relative checkpoint path is the caller's directory at the
+    call, though the checkpoint process was started in another one (it
+    saved into ``first/`` before the caller changed directory).  It used
+    to write into the directory it was started in and report success."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    stager = None
+    if how.startswith("stager"):
+        stager = dcpx.DefaultStager(dcpx.StagingOptions(False, how == "stager-shm", False,
+                                                        False))
+    planner = _MyPlanner() if how == "custom-planner" else None
+    try:
+        for i, where in enumerate(["one", "two", "one", "two"]):
+            monkeypatch.chdir(tmp_path / where)
+            sd = {"w": torch.full((3,), float(i)), "n": i}
+            want = _snapshot(sd)
+            dcpx.async_save(sd, checkpoint_id="ck", async_checkpointer_type=PROCESS,
+                            async_stager=stager, planner=planner).result()
+            verify(tmp_path / where / "ck", want)
+    finally:
+        if stager is not None:
+            stager.close()
