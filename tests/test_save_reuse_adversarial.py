@@ -813,3 +813,63 @@ def test_process_save_to_a_relative_path_after_chdir(tmp_path, monkeypatch, how)
     finally:
         if stager is not None:
             stager.close()
+
+
+def _edge_states():
+    t = torch.randn(4, 4)
+    return [
+        {},
+        {"only": 1, "values": "here"},
+        {"z": torch.empty(0), "z2": torch.empty(3, 0, dtype=torch.int64)},
+        {"same": t, "again": t, "view": t[1], "tview": t.t()},
+        {"a": torch.randn(3)},
+        {},
+        {"a": torch.randn(3), "only": 1},
+        {"a": [torch.randn(2), {"b": torch.randn(1)}], "c": (torch.randn(2),)},
+        {"a": torch.randn(3)},
+    ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_edge_state_dicts_in_turn(tmp_path, mode):
+    """Empty state dicts, only non-tensors, only empty tensors, one tensor
+    under several keys and views of it, lists of tensors, in turn."""
+    saver = Saver(mode)
+    try:
+        for rnd in range(2):
+            for i, sd in enumerate(_edge_states()):
+                want = _snapshot(sd)
+                saver.save(sd, tmp_path / "ck")
+                try:
+                    verify(tmp_path / "ck", want)
+                except AssertionError as e:
+                    raise AssertionError(f"{mode}: state {i} of round {rnd}: {e}") from e
+    finally:
+        saver.close()
+
+
+@pytest.mark.parametrize("klen,n", [(1, 2000), (40, 700), (200, 330), (70000, 2), (3, 1)])
+def test_reused_metadata_across_frame_sizes_and_path_lengths(tmp_path, klen, n):
+    """The reused part of .metadata (its own 64 KiB frames) between file
+    names and storage_meta of other lengths: keys of several lengths and
+    counts, so that the middle ends at various places relative to a frame,
+    saved into paths of different lengths with one and three files; each
+    .metadata is decoded by the C index (no fallback) and by pickle."""
+    from dcpx import _metadata
+    sd = {("k" * klen + f"{i:05d}"): (torch.full((2,), float(i)) if i % 3 else i)
+          for i in range(n)}
+    for threads in (1, 3):
+        writer_paths = [tmp_path / f"t{threads}" / "p", tmp_path / f"t{threads}" / ("q" * 77),
+                        tmp_path / f"t{threads}" / "p"]
+        for j, path in enumerate(writer_paths):
+            for v in sd.values():
+                if isinstance(v, torch.Tensor):
+                    v.add_(1)
+            want = _snapshot(sd)
+            dcpx.save(sd, storage_writer=dcpx.FileSystemWriter(path, sync_files=False,
+                                                               thread_count=threads))
+            verify(path, want)
+            raw = (path / ".metadata").read_bytes()
+            if klen < 60000:  # a key longer than a frame is left to pickle (csrc/mdindex.c)
+                assert _metadata.index(raw, str(path)) is not None
+            assert _metadata.loads(raw, str(path)) is not None
