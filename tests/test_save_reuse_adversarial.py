@@ -873,3 +873,42 @@ def test_reused_metadata_across_frame_sizes_and_path_lengths(tmp_path, klen, n):
             if klen < 60000:  # a key longer than a frame is left to pickle (csrc/mdindex.c)
                 assert _metadata.index(raw, str(path)) is not None
             assert _metadata.loads(raw, str(path)) is not None
+
+
+class _NotingWriter(dcpx.FileSystemWriter):
+    """A writer whose encode_metadata changes the Metadata (a note that
+    differs per save, a key of the state-dict metadata dropped) before
+    dcpx's encoding."""
+
+    count = 0
+
+    def encode_metadata(self, metadata):
+        _NotingWriter.count += 1
+        metadata.planner_data["note"] = ("note", _NotingWriter.count)
+        metadata.state_dict_metadata.pop("dropped", None)
+        metadata.storage_data = {k: v for k, v in metadata.storage_data.items()
+                                 if k.fqn != "dropped"}
+        return super().encode_metadata(metadata)
+
+
+def test_a_writer_changing_the_metadata_in_encode_metadata_gets_it_written(tmp_path):
+    """The reused encoding of .metadata is the plan's, shared by every
+    writer of the same keys: a subclass whose encode_metadata changes the
+    Metadata used to have its first save's encoding written again (the
+    file said note 1 while the save returned note 2), and a plain
+    writer's later save of the same keys wrote the subclass's changes
+    (a key missing from its checkpoint)."""
+    sd = {"a": torch.randn(3), "dropped": torch.randn(2), "n": 1}
+    for i in range(3):
+        path = tmp_path / f"w{i}"
+        returned = dcpx.save(sd, storage_writer=_NotingWriter(path, sync_files=False))
+        with open(path / ".metadata", "rb") as f:
+            on_disk = pickle.load(f)
+        assert on_disk.planner_data["note"] == returned.planner_data["note"]
+        assert on_disk == returned
+    for i in range(2):  # then the same keys through dcpx's own writer
+        sd["a"].add_(1)
+        want = _snapshot(sd)
+        dcpx.save(sd, storage_writer=dcpx.FileSystemWriter(tmp_path / "plain",
+                                                           sync_files=False))
+        verify(tmp_path / "plain", want)
