@@ -912,3 +912,35 @@ def test_a_writer_changing_the_metadata_in_encode_metadata_gets_it_written(tmp_p
         dcpx.save(sd, storage_writer=dcpx.FileSystemWriter(tmp_path / "plain",
                                                            sync_files=False))
         verify(tmp_path / "plain", want)
+
+
+@pytest.mark.parametrize("mode", ["thread-nostager", "thread-stager-sync", "thread-stager-async",
+                                  "process-nostager", "process-stager-sync",
+                                  "process-stager-async"])
+def test_saves_in_flight_together_each_hold_their_call(tmp_path, mode):
+    """async_save calls made without waiting for the previous upload (the
+    pool's second buffer, or a stager waiting for its lease), with changes
+    between calls (values, a non-tensor, a dtype, a key added): each
+    checkpoint holds what its call was given."""
+    saver = Saver(mode)
+    kind = PROCESS if mode.startswith("process") else THREAD
+    try:
+        sd = base_state()
+        pending = []
+        changes = ["values", "non_tensor_content", "values", "dtype", "values", "add_key",
+                   "values", "values"]
+        for i, name in enumerate(changes):
+            sd = MUTATIONS[name](sd)
+            want = _snapshot(sd)
+            out = dcpx.async_save(sd, checkpoint_id=str(tmp_path / f"c{i}"),
+                                  async_checkpointer_type=kind, async_stager=saver.stager)
+            if isinstance(out, dcpx.AsyncSaveResponse):
+                out.staging_completion.result()
+                out = out.upload_completion
+            m_values(sd)  # after the call: not in its checkpoint
+            pending.append((out, tmp_path / f"c{i}", want))
+        for out, path, want in pending:
+            out.result()
+            verify(path, want)
+    finally:
+        saver.close()
