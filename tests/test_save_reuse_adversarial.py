@@ -778,7 +778,8 @@ def test_relative_paths_equal_to_keys(tmp_path, monkeypatch, mode):
             saver.save(sd, path)
             verify(tmp_path / path, want)
             with open(tmp_path / path / ".metadata", "rb") as f:
-                assert str(pickle.load(f).storage_meta.checkpoint_id) in (path, str(tmp_path / path))
+                recorded = str(pickle.load(f).storage_meta.checkpoint_id)
+            assert recorded in (path, str(tmp_path / path))
     finally:
         saver.close()
 
