@@ -945,3 +945,59 @@ def test_saves_in_flight_together_each_hold_their_call(tmp_path, mode):
             verify(path, want)
     finally:
         saver.close()
+
+
+@pytest.mark.parametrize("mode", ["thread-nostager", "thread-stager-sync", "thread-stager-async",
+                                  "process-nostager", "process-stager-sync"])
+def test_one_writer_object_for_async_saves_to_successive_paths(tmp_path, mode):
+    """One FileSystemWriter passed to every async_save with the next
+    checkpoint_id (its reset() moves it there) while earlier uploads are
+    still queued: each save goes to the path of its call.  The uploads
+    used the caller's writer object, so an upload that had not started
+    was written to a later call's path (or failed on its lock file)."""
+    saver = Saver(mode)
+    kind = PROCESS if mode.startswith("process") else THREAD
+    writer = dcpx.FileSystemWriter(tmp_path / "unused", sync_files=False)
+    try:
+        sd = {"w": torch.zeros(256, 64), "n": 0}
+        pending = []
+        for i in range(6):
+            sd["w"].fill_(float(i))
+            sd["n"] = i
+            want = _snapshot(sd)
+            out = dcpx.async_save(sd, storage_writer=writer, checkpoint_id=tmp_path / f"s{i}",
+                                  async_checkpointer_type=kind, async_stager=saver.stager)
+            if isinstance(out, dcpx.AsyncSaveResponse):
+                out.staging_completion.result()  # before sd changes
+                out = out.upload_completion
+            pending.append((out, tmp_path / f"s{i}", want))
+        for out, path, want in pending:
+            out.result()
+            verify(path, want)
+    finally:
+        saver.close()
+
+
+def test_one_writer_object_reset_by_a_sync_save_while_an_upload_waits(tmp_path):
+    """The upload thread busy (held here), an async_save to ``a`` with a
+    writer, then dcpx.save with the same writer to ``b``: ``a`` holds the
+    async save, ``b`` the sync one (the async save was written into ``b``
+    over the sync save's checkpoint, and ``a`` was never made)."""
+    import threading
+
+    import dcpx._async
+    writer = dcpx.FileSystemWriter(tmp_path / "unused", sync_files=False)
+    held = threading.Event()
+    blocker = dcpx._async._uploader().submit(held.wait)
+    try:
+        a = {"w": torch.ones(2)}
+        b = {"w": torch.zeros(3)}
+        want_a, want_b = _snapshot(a), _snapshot(b)
+        fut = dcpx.async_save(a, storage_writer=writer, checkpoint_id=tmp_path / "a")
+        dcpx.save(b, storage_writer=writer, checkpoint_id=tmp_path / "b")
+    finally:
+        held.set()
+    blocker.result()
+    fut.result()
+    verify(tmp_path / "a", want_a)
+    verify(tmp_path / "b", want_b)
