@@ -1001,3 +1001,35 @@ def test_one_writer_object_reset_by_a_sync_save_while_an_upload_waits(tmp_path):
     fut.result()
     verify(tmp_path / "a", want_a)
     verify(tmp_path / "b", want_b)
+
+
+class _MetaWriter(dcpx.FileSystemWriter):
+    """storage_meta() of its own: None, or one that changes every save."""
+
+    def __init__(self, *args, meta="none", **kw):
+        super().__init__(*args, **kw)
+        self.meta = meta
+        self.saves = 0
+
+    def storage_meta(self):
+        self.saves += 1
+        if self.meta == "none":
+            return None
+        from torch.distributed.checkpoint.metadata import StorageMeta
+        return StorageMeta(checkpoint_id=f"{self.path}#{self.saves}",
+                           save_id=f"save-{self.saves}" * self.saves)
+
+
+@pytest.mark.parametrize("meta", ["none", "changing"])
+def test_writer_with_its_own_storage_meta_reuses_the_rest(tmp_path, meta):
+    """storage_meta is encoded after the reused part of .metadata: a
+    writer's own (None, or longer every save) is what each file holds."""
+    writer = _MetaWriter(tmp_path / "ck", sync_files=False, meta=meta)
+    sd = {"a": torch.randn(3), "n": 1}
+    for i in range(4):
+        sd["a"].add_(1)
+        want = _snapshot(sd)
+        returned = dcpx.save(sd, storage_writer=writer)
+        verify(tmp_path / "ck", want)
+        with open(tmp_path / "ck" / ".metadata", "rb") as f:
+            assert pickle.load(f) == returned
