@@ -25,6 +25,7 @@ Timeline of one call (docs/design.md has the picture)::
 """
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -203,6 +204,12 @@ def async_save(
                 "process group with 'cpu:gloo,cuda:nccl'")
     process = AsyncCheckpointerType(async_checkpointer_type) == AsyncCheckpointerType.PROCESS
     writer = _writer_for(storage_writer, checkpoint_id)
+    if type(writer) is FileSystemWriter and writer is storage_writer:
+        # The caller's writer, as it is now (path, save id): the upload runs
+        # later, and the caller may reset its writer to the next
+        # checkpoint_id meanwhile (a loop of async_save(sd, storage_writer=w,
+        # checkpoint_id=...)), which would move this save into that path.
+        writer = copy.copy(writer)
     if process and hasattr(writer, "check_crosses_processes"):
         writer.check_crosses_processes()  # memory:// lives in this process only
     if _dist_in_use(no_dist):

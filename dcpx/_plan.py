@@ -436,7 +436,13 @@ class LocalSave(NamedTuple):
             storage_meta=self.writer.storage_meta(),
             version=DCP_VERSION,
         )
-        self.writer._splice = _metadata.Splice(metadata, names, plan.encoded, layout, middle)
+        # Only for dcpx's own encode_metadata: a subclass's may change the
+        # Metadata before encoding it, which the cached encoding (shared by
+        # every writer of this plan) would not show.
+        from ._writer import FileSystemWriter
+        if type(self.writer).encode_metadata is FileSystemWriter.encode_metadata:
+            self.writer._splice = _metadata.Splice(metadata, names, plan.encoded, layout,
+                                                   middle)
         return metadata
 
 

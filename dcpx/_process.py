@@ -63,6 +63,9 @@ class _Worker:
         # serial -> (layout serial, mappings).  The description of a layout
         # crosses the pipe once, not with every save (_staged_message).
         self.sent_layouts: dict[int, tuple] = {}
+        # The working directory the worker resolves relative paths against
+        # (this process's, as last sent: _sync_cwd).
+        self.sent_cwd: Optional[str] = None
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dcpx-process-upload")
 
     def run(self, staged, stager, writer) -> Any:
@@ -89,12 +92,20 @@ class _Worker:
         # What the directory holds now: should this process die, the
         # checkpoint process commits only over this (_orphan_check).
         config["committed"] = writer._committed_id()
+        self._sync_cwd()
         if layout is None:
             self.conn.send(("values", config, staged))
         else:
             # Buffers are identified by a serial number, never by id(): a new
             # buffer may reuse a freed one's address.
-            self.conn.send(self._staged_message(config, layout))
+            msg = self._staged_message(config, layout)
+            try:
+                self.conn.send(msg)
+            except BaseException:
+                # Not sent (a non-tensor value that does not pickle): the
+                # worker did not get the layout this message described.
+                self.sent_layouts.pop(layout.buffer.serial, None)
+                raise
         status, result = self.conn.recv()
         if status == "err":
             if layout is not None:  # the worker may not have kept the layout: resend it
@@ -168,6 +179,7 @@ class _Worker:
                     others.append((e.index, e.payload))
             try:
                 serial = self._send_buffer(layout.buffer) if layout is not None else None
+                self._sync_cwd()
                 self.conn.send(("write", _writer_config(writer), serial, prefix, tensors,
                                 others, sorted(self.sent_buffers)))
                 status, result = self.conn.recv()
@@ -189,6 +201,7 @@ class _Worker:
         """Send one request and wait for its answer.  ``parts`` names the
         objects the request pickles, for the error when one does not."""
         try:
+            self._sync_cwd()
             self.conn.send(msg)  # pickled whole before anything is written
         except (EOFError, BrokenPipeError, ConnectionError) as e:
             raise RuntimeError(f"dcpx: the checkpoint process died before {what} "
@@ -253,6 +266,19 @@ class _Worker:
                 _dist.abort_torch_save(group, staging_error(e, writer), writer, use_collectives)
         return save(staged, storage_writer=_RemoteWriter(writer, self), planner=planner,
                     process_group=group, use_collectives=use_collectives)
+
+    def _sync_cwd(self) -> None:
+        """Tell the worker this process's working directory when it changed
+        since the last request: a relative checkpoint path names a
+        directory under the caller's working directory at the call, not
+        under the one the worker was started in."""
+        try:
+            cwd: Optional[str] = os.getcwd()
+        except OSError:  # removed: relative paths cannot be found here either
+            cwd = None
+        if cwd != self.sent_cwd:
+            self.conn.send(("cwd", cwd))
+            self.sent_cwd = cwd
 
     def _send_buffer(self, buf) -> int:
         """Pass the buffer's memfd to the worker once; its serial."""
@@ -425,6 +451,7 @@ def _worker_main(conn) -> None:
     parent = os.getppid()
     buffers: dict[int, torch.Tensor] = {}
     layouts: dict[int, _StagedViews] = {}  # per buffer serial: its staged layout
+    cwd: Optional[str] = None  # the parent's working directory (_Worker._sync_cwd)
     while True:
         try:
             msg = conn.recv()
@@ -440,7 +467,12 @@ def _worker_main(conn) -> None:
             os.close(fd)
             buffers[number] = torch.frombuffer(mm, dtype=torch.uint8)
             continue
+        if kind == "cwd":
+            cwd = msg[1]
+            continue
         try:
+            if cwd is not None:
+                os.chdir(cwd)  # relative paths are the parent's
             if kind == "values":
                 _, config, staged = msg
                 result = save(staged, storage_writer=_writer_from(config, parent))
