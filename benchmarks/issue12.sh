@@ -27,3 +27,4 @@ old benchmarks/bench_dist.py --ranks 8 --impls dcpx --repeat 3 --out $R/dist8_ba
 "$PY" benchmarks/bench_dist.py --ranks 8 --impls dcpx --repeat 3 \
     --compare $R/dist8_base.json --out $R/dist8_local
 "$PY" benchmarks/plot.py
+"$PY" benchmarks/bench_floor.py --out $R/floor_local
