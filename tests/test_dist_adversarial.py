@@ -367,12 +367,38 @@ def check_async_call_fails_on_every_rank(ctx):
         load_both(path, sd)
 
 
+def check_abort_torch_save_warns_nothing(ctx):
+    """The failing rank's side of a save torch's planner drives
+    (_dist.abort_torch_save): the others raise its error, and it makes torch
+    warn nothing (a planner of dcpx's, not the user's, so no "update your
+    implementation" about set_up_planner's storage_meta)."""
+    import warnings
+
+    import torch.distributed.checkpoint as tdcp
+    from dcpx import _dist
+
+    path = ctx.path("abort_torch")
+    writer = tdcp.FileSystemWriter(path)
+    if ctx.rank == 1:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(RuntimeError, match="rank 1 cannot save"):
+                _dist.abort_torch_save(None, RuntimeError("rank 1 cannot save"), writer)
+        assert not [w for w in caught if "set_up_planner" in str(w.message)], [
+            str(w.message) for w in caught]
+    else:
+        with pytest.raises(BaseException, match="rank 1 cannot save"):
+            tdcp.save({"w": torch.ones(3)}, storage_writer=writer)
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+
+
 CHECKS = [check_layouts_change_on_one_rank, check_replicated_value_differs_between_ranks,
           check_dtensor_reshard_both_libraries, check_per_rank_saves_both_libraries,
           check_group_of_rank_1_only, check_async_in_flight_one_fails_on_rank_1,
           check_async_fails_on_rank_1_per_rank_and_foreign_writer,
           check_async_staging_fails_on_rank_1_per_rank,
-          check_async_call_fails_on_every_rank]
+          check_async_call_fails_on_every_rank,
+          check_abort_torch_save_warns_nothing]
 
 
 @pytest.fixture(scope="module")
