@@ -392,13 +392,49 @@ def check_abort_torch_save_warns_nothing(ctx):
     assert not os.path.exists(os.path.join(path, ".metadata"))
 
 
+def check_empty_and_value_only_ranks(ctx):
+    """A rank with an empty state dict, or with non-tensor values only,
+    beside one with tensors; then both empty; consecutive saves (the plan
+    exchange by digest in between), loaded by both libraries."""
+    import torch.distributed.checkpoint as tdcp
+
+    r = ctx.rank
+    cases = [
+        {"w": full_value("e.w", (4, 4))} if r == 0 else {},
+        {"w": full_value("e.w2", (4, 4))} if r == 0 else {},
+        {"w": full_value("e.w3", (4, 4)), "n": 1} if r == 0 else {"n": 2, "s": "x"},
+        {},
+        {"w": full_value("e.w4", (2,))} if r == 1 else {},
+    ]
+    for saver in (dcpx, tdcp):
+        for i, sd in enumerate(cases):
+            path = ctx.path("empty", saver.__name__, str(i))
+            saver.save(sd, checkpoint_id=path)
+            if "n" in sd:
+                # replicated key "n": one rank's value is kept, the same for both
+                got_n = []
+                for lib in (dcpx, tdcp):
+                    d = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+                         for k, v in sd.items()}
+                    lib.load(d, checkpoint_id=path)
+                    got_n.append(d.pop("n"))
+                    _compare(d, {k: v for k, v in sd.items() if k != "n"}, path)
+                assert got_n[0] == got_n[1] and got_n[0] in (1, 2), got_n
+                everyone = [None] * WORLD
+                dist.all_gather_object(everyone, got_n[0])
+                assert everyone[0] == everyone[1], everyone
+            else:
+                load_both(path, sd)
+
+
 CHECKS = [check_layouts_change_on_one_rank, check_replicated_value_differs_between_ranks,
           check_dtensor_reshard_both_libraries, check_per_rank_saves_both_libraries,
           check_group_of_rank_1_only, check_async_in_flight_one_fails_on_rank_1,
           check_async_fails_on_rank_1_per_rank_and_foreign_writer,
           check_async_staging_fails_on_rank_1_per_rank,
           check_async_call_fails_on_every_rank,
-          check_abort_torch_save_warns_nothing]
+          check_abort_torch_save_warns_nothing,
+          check_empty_and_value_only_ranks]
 
 
 @pytest.fixture(scope="module")
