@@ -215,16 +215,23 @@ class _Boom:
 
 
 def check_async_in_flight_one_fails_on_rank_1(ctx):
+    """Three async_saves in flight (THREAD, then PROCESS uploads), the
+    second raising inside rank 1's call."""
+    for kind in (dcpx.AsyncCheckpointerType.THREAD, dcpx.AsyncCheckpointerType.PROCESS):
+        _in_flight_one_fails_on_rank_1(ctx, kind)
+
+
+def _in_flight_one_fails_on_rank_1(ctx, kind):
     r = ctx.rank
     sds = [{"w": full_value(f"af{i}.w", (64, 64)), "r": {"n": i}} for i in range(4)]
     futs, errs = [], []
     for i in range(3):
-        path = ctx.path("inflight", str(i))
+        path = ctx.path("inflight", kind.value, str(i))
         sd = dict(sds[i])
         if i == 1:
             sd["boom"] = _Boom(r)
         try:
-            futs.append(dcpx.async_save(sd, checkpoint_id=path))
+            futs.append(dcpx.async_save(sd, checkpoint_id=path, async_checkpointer_type=kind))
         except Exception as e:  # rank 1's second call
             futs.append(None)
             errs.append(e)
@@ -245,12 +252,12 @@ def check_async_in_flight_one_fails_on_rank_1(ctx):
         assert outcomes[1].startswith("failed") and "boom on rank 1" in outcomes[1], outcomes
     else:
         assert outcomes[1] == "raised" and "boom on rank 1" in str(errs[0]), (outcomes, errs)
-    assert not os.path.exists(ctx.path("inflight", "1", ".metadata"))
+    assert not os.path.exists(ctx.path("inflight", kind.value, "1", ".metadata"))
     for i in (0, 2):
-        load_both(ctx.path("inflight", str(i)), sds[i])
+        load_both(ctx.path("inflight", kind.value, str(i)), sds[i])
     # the next save works, sync and async
-    path = ctx.path("inflight", "3")
-    dcpx.async_save(sds[3], checkpoint_id=path).result(timeout=60)
+    path = ctx.path("inflight", kind.value, "3")
+    dcpx.async_save(sds[3], checkpoint_id=path, async_checkpointer_type=kind).result(timeout=60)
     load_both(path, sds[3])
     dcpx.save(sds[3], checkpoint_id=path + "s")
     load_both(path + "s", sds[3])
