@@ -15,10 +15,23 @@ dcp.load into fresh state dicts and compared bit-exact on every rank.
   libraries; then a collective save into another directory;
 * a process group that holds rank 1 only: save, async_save and load on it;
 * async_save with the default group, three saves in flight into
-  successive directories, the second of which fails on rank 1 (a Stateful
-  raising in its state_dict, inside the async_save call): nothing of it is
-  committed, it fails on rank 0 too, the others commit and load, and the
-  next save works.
+  successive directories (THREAD, then PROCESS), the second of which fails
+  on rank 1 (a Stateful raising in its state_dict, inside the async_save
+  call): nothing of it is committed, rank 0's upload of it fails naming
+  rank 1's error (before: a gloo timeout after the group's timeout), the
+  others commit and load, and the next save works; the same with
+  use_collectives=False (rank 0's own checkpoint commits) and with a
+  storage writer of torch's; a failed async staging with
+  use_collectives=False; every rank's call failing;
+* the failing rank's side of a save torch's planner drives
+  (``_dist.abort_torch_save``): its own error, no warning from torch;
+* ranks with empty state dicts or non-tensor values only beside ranks
+  with tensors.
+
+Fail on main: check_async_in_flight_one_fails_on_rank_1,
+check_async_fails_on_rank_1_per_rank_and_foreign_writer,
+check_async_staging_fails_on_rank_1_per_rank,
+check_abort_torch_save_warns_nothing.
 """
 from __future__ import annotations
 
@@ -167,7 +180,8 @@ def check_per_rank_saves_both_libraries(ctx):
     for saver in (dcpx, tdcp):
         for step in range(2):
             path = ctx.path("alone", saver.__name__, str(step))
-            sd = {"w": full_value(f"{step}.{r}.w", (5, 3)), f"own{r}": full_value(f"o{r}", (r + 2,)),
+            sd = {"w": full_value(f"{step}.{r}.w", (5, 3)),
+                  f"own{r}": full_value(f"o{r}", (r + 2,)),
                   "meta": {"rank": r, "step": step}}
             saver.save(sd, checkpoint_id=path, use_collectives=False)
             assert os.path.exists(os.path.join(path, f"__{r}.metadata"))
