@@ -50,7 +50,7 @@ from ._api import (
 from ._gc import paused_gc
 from ._pending import staged_payload
 from ._writer import FileSystemWriter
-from .errors import checkpoint_future, staging_error
+from .errors import CheckpointError, checkpoint_future, staging_error
 from .staging import DefaultStager
 from .staging import _pool as _staging_pool
 
@@ -119,10 +119,8 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
             staged = staged.result()
         except Exception as e:
             err = staging_error(e, writer)
-            if dist_path_eligible(writer, planner, no_dist):
-                _dist.abort_save(process_group, err)  # the other ranks raise too
-            if _dist_in_use(no_dist):  # torch's planner: tell them through its collectives
-                _dist.abort_torch_save(process_group, err, writer, use_collectives)
+            if _dist_in_use(no_dist):
+                _tell_peers(process_group, err, writer, planner, no_dist, use_collectives)
             raise err
     if _dist_in_use(no_dist):
         sharded = None
@@ -146,6 +144,55 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
                     process_group=process_group, no_dist=no_dist,
                     use_collectives=use_collectives)
     return save_local(writer, *fast, prepare=staged_payload, scanned=scanned)
+
+
+def _tell_peers(pg, err: BaseException, writer, planner, no_dist: bool,
+                use_collectives: bool) -> None:
+    """This rank cannot take part in an async save on ``pg`` (its staging
+    failed): meet the other ranks' uploads of it where they wait for this
+    rank, so that they do not wait until the group's timeout; raises
+    ``err``.  A collective save fails on every rank at its first collective
+    (dcpx's plan gather, or torch's, for a planner or writer of the user's);
+    per-rank saves (use_collectives=False) only meet at their closing
+    barrier, which this rank joins: the other ranks' own checkpoints stand,
+    as they would had this rank saved."""
+    if not use_collectives:
+        try:
+            dist.barrier(group=pg)
+        except Exception:  # a peer is gone: this rank's own error is the one to report
+            pass
+        raise err
+    if dist_path_eligible(writer, planner, no_dist):
+        _dist.abort_save(pg, err)
+    _dist.abort_torch_save(pg, err, writer, use_collectives)
+
+
+def _abort_in_turn(ticket: "_dist.AsyncTicket", error: BaseException, writer, planner,
+                   no_dist: bool, use_collectives: bool) -> None:
+    """async_save raised on this rank before its upload was submitted (a
+    Stateful's state_dict, a synchronous staging): the other ranks' uploads
+    of this save are already waiting in its first collective.  This rank
+    takes the save's turn on the upload thread and fails that collective as
+    a failed staging does (``_upload``), so that they raise at once instead
+    of waiting for it until the group's timeout (and every later async_save
+    with them).  With use_collectives=False the others only meet at the
+    save's closing barrier: this rank meets them there (their own
+    checkpoints stand)."""
+    # A new exception: the caller is raising ``error`` itself right now.
+    err = CheckpointError(f"dcpx.async_save failed on this rank before its upload: "
+                          f"{type(error).__name__}: {error}")
+
+    def abort() -> None:
+        with ticket.turn() as pg:
+            _tell_peers(pg, err, writer, planner, no_dist, use_collectives)
+
+    if not isinstance(error, Exception):  # KeyboardInterrupt and the like: no more work
+        ticket.abandon()
+        return
+    try:
+        _uploader().submit(abort)
+    except BaseException:  # the interpreter is shutting down
+        ticket.abandon()
 
 
 def _upload_during_staging(staging: Future, queued: tuple, stager: DefaultStager, writer):
@@ -222,6 +269,7 @@ def async_save(
             async_stager = writer  # torch's writers are their own stager
         else:  # kept across calls (staging._StagerPool); shared memory for PROCESS
             async_stager = _staging_pool.acquire(process)
+    submitted = False
     try:
         flat_sd = _stateful_to_state_dict(state_dict)
         try:
@@ -248,6 +296,7 @@ def async_save(
                     upload = submit_process_upload(*args)
                 else:
                     upload = _uploader().submit(_locks.run_holding, key, _upload, *args)
+                submitted = True
             except BaseException:
                 _locks.finish(turn)
                 raise
@@ -259,9 +308,12 @@ def async_save(
         finally:
             if start is not None:
                 start.set_result(staged)  # the upload may start
-    except BaseException:
+    except BaseException as e:
         if isinstance(process_group, _dist.AsyncTicket):
-            process_group.abandon()  # no upload: this save counts as failed here
+            if submitted:
+                process_group.abandon()  # (a no-op once the upload took its turn)
+            else:  # no upload: the other ranks' uploads of this save must fail too
+                _abort_in_turn(process_group, e, writer, planner, no_dist, use_collectives)
         raise
 
     if isinstance(staged, Future):

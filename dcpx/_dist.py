@@ -203,12 +203,17 @@ def abort_torch_save(group, error: BaseException, writer, use_collectives: bool 
         from torch.distributed.checkpoint.state_dict_saver import save as torch_save
 
         class _Failed(DefaultSavePlanner):
-            def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+            # torch's signature: with *args torch warns that this planner
+            # lacks storage_meta ("update your implementation") to a user
+            # who wrote no planner.
+            def set_up_planner(self, state_dict: Any = None, storage_meta: Any = None,
+                               is_coordinator: bool = False) -> None:
                 raise error
 
+        from torch.distributed.checkpoint.api import CheckpointException
         try:
             torch_save({}, storage_writer=writer, planner=_Failed(), process_group=group)
-        except Exception:
+        except (Exception, CheckpointException):  # (a BaseException): this rank's own error
             pass
     raise error
 
