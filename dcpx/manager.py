@@ -474,6 +474,13 @@ class CheckpointManager:
             return []
         keep = set(committed[-self.keep_latest_k:])
         keep.add(committed[-1])  # never the newest committed step
+        # Nor the step this manager committed last: after a resume from an
+        # older step (the newer ones corrupt, or a rollback), higher step
+        # numbers from the earlier run would otherwise push it out, and the
+        # retention pass right after its commit would delete the one step
+        # known to be intact.
+        if self._last_saved is not None and self._last_saved in committed:
+            keep.add(self._last_saved)
         if self.keep_every_n_steps:
             keep.update(s for s in committed if s % self.keep_every_n_steps == 0)
         with self._lock:
