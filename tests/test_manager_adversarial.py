@@ -342,3 +342,31 @@ def test_two_managers_one_root_never_lose_the_newest(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+def test_retention_goes_on_past_newer_step_with_bad_metadata(tmp_path):
+    """step-200's .metadata is garbage (committed by name, does not read).
+    The resume falls back to 100 and the job saves 110, 120, 130 with
+    keep_latest_k=2.  Retention used to delete nothing for good (the newest
+    step number does not read back), so the disk filled over a long run;
+    now it goes on, keeping step-200 (the newest number) and the step just
+    saved, which loads."""
+    with CheckpointManager(tmp_path, async_mode="sync") as m:
+        m.save(100, _state(100))
+    (tmp_path / "step-200").mkdir()
+    (tmp_path / "step-200" / ".metadata").write_bytes(b"\x80\x04garbage")
+    with CheckpointManager(tmp_path, keep_latest_k=2, async_mode="sync") as m:
+        assert _load_quietly(m, _empty()) == 100
+        for s in (110, 120, 130):
+            m.save(s, _state(s))
+            m.wait_for_retention()
+            assert m.all_steps() == [s, 200]
+    sd = _empty()
+    assert _load_quietly(CheckpointManager(tmp_path), sd) == 130 and _step_of(sd) == 130
+    # a fresh manager that saved nothing still deletes nothing past an unreadable newest step
+    (tmp_path / "step-90").mkdir()
+    dcpx.save(_state(90), checkpoint_id=tmp_path / "step-90")
+    m = CheckpointManager(tmp_path, keep_latest_k=1)
+    with pytest.warns(StepSkippedWarning, match="deletes nothing.*step 200"):
+        assert m._apply_retention() == []
+    assert m.all_steps() == [90, 130, 200]
