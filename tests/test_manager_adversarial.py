@@ -370,3 +370,48 @@ def test_retention_goes_on_past_newer_step_with_bad_metadata(tmp_path):
     with pytest.warns(StepSkippedWarning, match="deletes nothing.*step 200"):
         assert m._apply_retention() == []
     assert m.all_steps() == [90, 130, 200]
+
+
+# ------------------------------------------------------------------ dcpx ls of a live run
+
+def _ls_json(root: Path, capsys) -> list:
+    import json
+    from dcpx.cli import main
+    capsys.readouterr()
+    rc = main(["ls", "--json", str(root)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_ls_does_not_list_a_deletion_in_progress(tmp_path, capsys):
+    """`dcpx ls` on a run's root: a `.deleting-step-N-*` folder (the
+    manager's deletion, cut off with its .metadata still there and its data
+    file gone) was listed as a committed checkpoint; it is never one."""
+    for s in (10, 20):
+        dcpx.save(_state(s), checkpoint_id=tmp_path / f"step-{s}")
+    half = tmp_path / ".deleting-step-5-abcd1234"
+    dcpx.save(_state(5), checkpoint_id=half)
+    _data_file(half).unlink()
+    assert [r["name"] for r in _ls_json(tmp_path, capsys)] == ["step-10", "step-20"]
+
+
+def test_ls_of_live_run_skips_step_renamed_away_meanwhile(tmp_path, monkeypatch, capsys):
+    """A step that retention renames away between ls's listing of the root
+    and its row made `dcpx ls` fail with exit status 2 ('No such file or
+    directory'); now it is left out and ls succeeds."""
+    from dcpx.cli import ls as cli_ls
+    for s in (10, 20, 30):
+        dcpx.save(_state(s), checkpoint_id=tmp_path / f"step-{s}")
+    real_listdir = os.listdir
+    gone = tmp_path / "step-20"
+
+    def listdir(p="."):
+        if Path(p) == gone and gone.exists():  # retention renames it right now
+            os.rename(gone, tmp_path / ".deleting-step-20-00000000")
+        return real_listdir(p)
+
+    monkeypatch.setattr(cli_ls.os, "listdir", listdir)
+    rows = _ls_json(tmp_path, capsys)
+    assert [r["name"] for r in rows] == ["step-10", "step-30"]
+    assert all(r["committed"] for r in rows)
