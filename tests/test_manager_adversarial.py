@@ -275,6 +275,8 @@ def test_resave_existing_step_interrupted_keeps_old_commit(tmp_path):
         warnings.simplefilter("error", StepSkippedWarning)
         assert CheckpointManager(tmp_path).load(sd) == 20
     assert _step_of(sd) == 20
+    from dcpx.cli import main
+    assert main(["verify", str(d)]) == 0  # the debris is not part of the checkpoint
     with CheckpointManager(tmp_path, async_mode="sync", verify="full") as m:
         state = _state(20)
         state["w"] += 0.5
@@ -415,3 +417,81 @@ def test_ls_of_live_run_skips_step_renamed_away_meanwhile(tmp_path, monkeypatch,
     rows = _ls_json(tmp_path, capsys)
     assert [r["name"] for r in rows] == ["step-10", "step-30"]
     assert all(r["committed"] for r in rows)
+
+
+# ------------------------------------------------------------- random root states
+
+_KINDS = ("good", "torch", "trunc", "flip", "nomd", "garbage", "nodata", "empty")
+
+
+def _make_step(root: Path, s: int, kind: str, rng) -> bool:
+    """step-{s} in one of the states a crash, a bad disk or another writer
+    leaves; True if it is intact (loads with step s's values)."""
+    d = root / f"step-{s}"
+    if kind == "empty":
+        d.mkdir()
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (dcp.save if kind == "torch" else dcpx.save)(_state(s), checkpoint_id=d)
+    f = _data_file(d)
+    if kind == "trunc":
+        f.write_bytes(f.read_bytes()[:rng.randrange(1, f.stat().st_size)])
+    elif kind == "flip":
+        info = _record(d, "w")
+        raw = f.read_bytes()
+        payload = _state(s)["w"].numpy().tobytes()
+        i = raw.find(payload, info.offset)
+        b = bytearray(raw)
+        b[i + rng.randrange(len(payload))] ^= 1 << rng.randrange(8)
+        f.write_bytes(bytes(b))
+    elif kind == "nomd":
+        (d / ".metadata").unlink()
+    elif kind == "garbage":
+        (d / ".metadata").write_bytes(bytes(rng.randrange(256) for _ in range(rng.randrange(300))))
+    elif kind == "nodata":
+        f.unlink()
+    return kind in ("good", "torch")
+
+
+def test_random_root_states_resume_newest_intact_and_never_lose_it(tmp_path):
+    """150 seeded roots of 1-5 steps, each intact (dcpx- or torch-written) or
+    damaged (truncated or missing data file, a flipped tensor bit, no,
+    garbage or empty .metadata, an empty folder).  load() returns the
+    newest intact step with its values (CheckpointError only when no step
+    is intact); the job then saves a step (new, or one of those numbers
+    again) with keep_latest_k 1-3, and a restart loads an intact step with
+    its values.  On main 26 of 200 such trials (seed 2) left no step that
+    loads: retention deleted the step just saved below a damaged newer one."""
+    import random
+    rng = random.Random(20261124)
+    for trial in range(150):
+        root = tmp_path / f"t{trial}"
+        root.mkdir()
+        steps = sorted(rng.sample(range(1, 50), rng.randrange(1, 6)))
+        kinds = {s: rng.choice(_KINDS) for s in steps}
+        good = {s for s in steps if _make_step(root, s, kinds[s], rng)}
+        where = f"trial {trial}: {kinds}"
+        m = CheckpointManager(root, async_mode=rng.choice(["sync", "async"]),
+                              verify=rng.choice(["commit", "full"]),
+                              keep_latest_k=rng.choice([1, 2, 3]))
+        sd = _empty()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StepSkippedWarning)
+            try:
+                got = m.load(sd)
+            except dcpx.CheckpointError:
+                got = "none loads"
+        if good:
+            assert got == max(good), where
+            assert _step_of(sd) == got
+        else:
+            assert got in (None, "none loads"), where
+        start = got if isinstance(got, int) else 0
+        nxt = rng.choice([start + rng.randrange(1, 30)] + steps)
+        m.save(nxt, _state(nxt))
+        m.close()
+        sd = _empty()
+        got = _load_quietly(CheckpointManager(root), sd)
+        assert got in good | {nxt}, (where, nxt, sorted(os.listdir(root)))
+        assert _step_of(sd) == got
