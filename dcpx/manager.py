@@ -474,6 +474,13 @@ class CheckpointManager:
             return []
         keep = set(committed[-self.keep_latest_k:])
         keep.add(committed[-1])  # never the newest committed step
+        # Nor the step this manager committed last: after a resume from an
+        # older step (the newer ones corrupt, or a rollback), higher step
+        # numbers from the earlier run would otherwise push it out, and the
+        # retention pass right after its commit would delete the one step
+        # known to be intact.
+        if self._last_saved is not None and self._last_saved in committed:
+            keep.add(self._last_saved)
         if self.keep_every_n_steps:
             keep.update(s for s in committed if s % self.keep_every_n_steps == 0)
         with self._lock:
@@ -526,9 +533,15 @@ class CheckpointManager:
         try:
             self._root.reader(_step_dir(newest)).read_metadata()
         except Exception as e:
-            warnings.warn(f"dcpx.CheckpointManager: retention deletes nothing: the newest "
-                          f"committed step {newest} does not read back ({e})", StepSkippedWarning)
-            return []
+            # The step this manager committed last is kept too: if it reads
+            # back, the pass leaves an intact step (else retention stopped
+            # for good after a resume past a step whose .metadata is bad).
+            last = self._last_saved
+            if last is None or last == newest or not self._readable(last):
+                warnings.warn(f"dcpx.CheckpointManager: retention deletes nothing: the newest "
+                              f"committed step {newest} does not read back ({e})",
+                              StepSkippedWarning)
+                return []
         deleted = []
         for s in doomed:
             with self._lock:  # a save of this step cannot start meanwhile
@@ -545,6 +558,13 @@ class CheckpointManager:
             self._root.remove(hidden)
             deleted.append(s)
         return deleted
+
+    def _readable(self, step: int) -> bool:
+        try:
+            self._root.reader(_step_dir(step)).read_metadata()
+        except Exception:
+            return False
+        return True
 
     # --------------------------------------------------------------- load
     def _check(self, step: int) -> Optional[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..filesystem import LOCAL_PROTOCOLS, METADATA_FN, local_path, url_protocol
-from ..manager import STEP_RE
+from ..manager import DELETING_PREFIX, STEP_RE
 from ._common import CliError, NoCheckpoint, human
 
 HELP = ("list the checkpoints under a directory or URL (s3://, memory://...): step, size, "
@@ -42,7 +42,16 @@ def _looks_like_checkpoint(d: Path) -> bool:
         return False
 
 
-def describe(d: Path, now: float) -> dict:
+def describe(d: Path, now: float) -> Optional[dict]:
+    """The row of the folder ``d``; None if it is gone (a retention pass
+    renamed it away after the listing)."""
+    try:
+        return _describe(d, now)
+    except FileNotFoundError:
+        return None
+
+
+def _describe(d: Path, now: float) -> dict:
     size = 0
     newest = 0.0
     try:
@@ -134,14 +143,18 @@ def list_root(root: str) -> list[dict]:
         raise NoCheckpoint(f"{r}: not a directory")
     now = time.time()
     if _looks_like_checkpoint(r):          # ROOT is itself a checkpoint
-        row = describe(r, now)
+        row = _describe(r, now)
         row["name"] = str(r)
         return [row]
     rows = []
     for name in os.listdir(r):
+        if name.startswith(DELETING_PREFIX):
+            continue  # CheckpointManager's deletion in progress: never a checkpoint
         d = r / name
         if d.is_dir() and not d.is_symlink() and (_STEP.match(name) or _looks_like_checkpoint(d)):
-            rows.append(describe(d, now))
+            row = describe(d, now)
+            if row is not None:
+                rows.append(row)
     rows.sort(key=lambda x: (x["step"] is None, x["step"] if x["step"] is not None else 0,
                              x["name"]))
     return rows
