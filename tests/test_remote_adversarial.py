@@ -14,6 +14,10 @@ dicts):
 * A failed re-save (a value that does not pickle; a write that raises ENOSPC
   on the N-th upload) raises, leaves no ``.metadata.tmp`` and the previous
   checkpoint loads bit-exact.
+* ENOSPC writing a local ``.metadata.tmp``: the error is an OSError naming
+  that file, and no file of the failed save is left.  Failed on main: the
+  error named no file and the failed save's data files stayed, holding the
+  space the retry needs on a full disk.
 * A read-only directory (chmod 0o555, or a monkeypatched open raising
   PermissionError when running as root) raises PermissionError naming the
   directory's file, previous checkpoint intact.
@@ -171,30 +175,30 @@ def test_enospc_on_upload_keeps_previous(mem, monkeypatch):
     _check(mem, sd)
 
 
-def test_enospc_on_local_write_keeps_previous(tmp_path, monkeypatch):
+def test_enospc_writing_local_metadata_names_it_and_frees_the_data(tmp_path, monkeypatch):
+    """Failed on main: the error named no file, and the failed save's data
+    files stayed (on a full disk, holding the space the retry needs)."""
     d = tmp_path / "ck"
     url = "file://" + str(d)
     sd = _state(1)
     dcpx.save(sd, checkpoint_id=url)
-    real = os.write
-    n = [0]
+    before = sorted(n for n in os.listdir(d) if not n.startswith(".dcpx"))
 
     def write(fd, data):
-        n[0] += 1
-        if n[0] == 1:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, data)
+        raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "write", write)
-    try:
+    with pytest.raises(OSError) as e:
         dcpx.save(_state(2), checkpoint_id=url)
-        saved = True
-    except (OSError, CheckpointException, dcpx.CheckpointError) as e:
-        saved = False
-        assert "No space left" in str(e) or "ENOSPC" in str(e) or "28" in str(e)
     monkeypatch.undo()
-    assert not any(".tmp" in x for x in os.listdir(d)), os.listdir(d)
-    _check(url, _state(2) if saved else sd)
+    assert e.value.errno == errno.ENOSPC
+    assert str(d / ".metadata.tmp.") in str(e.value.filename), e.value
+    assert str(d / ".metadata.tmp.") in str(e.value)
+    after = sorted(n for n in os.listdir(d) if not n.startswith(".dcpx"))
+    assert after == before, (before, after)
+    _check(url, sd)
+    dcpx.save(_state(3), checkpoint_id=url)  # the retry commits
+    _check(d, _state(3))
 
 
 def test_read_only_directory(tmp_path, monkeypatch):
