@@ -270,3 +270,15 @@ def test_fsspec_file_url_async_and_plain_path_save_take_turns(tmp_path, monkeypa
     t.join(30)
     assert not t.is_alive() and not err, err
     _check(d, sd2)  # the later call committed last
+
+
+def test_async_thread_unpicklable_resave_keeps_previous_memory(mem):
+    sd = _state(1)
+    dcpx.async_save(sd, checkpoint_id=mem).result()
+    _check(mem, sd)
+    before = _names(mem)
+    with pytest.raises((pickle.PicklingError, CheckpointException, dcpx.CheckpointError),
+                       match="injected"):
+        dcpx.async_save(dict(_state(2), step=Unpicklable()), checkpoint_id=mem).result()
+    assert _names(mem) == before
+    _check(mem, sd)
