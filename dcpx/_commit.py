@@ -48,6 +48,7 @@ def commit(self: "FileSystemWriter", metadata: Metadata, data: Optional[bytes] =
             if refused:
                 self._discard_own()
                 raise CheckpointError(refused)
+            replacing = False
             try:
                 # O_EXCL: a fresh file, never through a link or into a FIFO
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
@@ -61,12 +62,20 @@ def commit(self: "FileSystemWriter", metadata: Metadata, data: Optional[bytes] =
                     ino = os.fstat(fd).st_ino
                 finally:
                     os.close(fd)
+                replacing = True
                 os.replace(tmp, final)
-            except BaseException:
+            except BaseException as e:
                 try:
                     os.unlink(tmp)
                 except FileNotFoundError:
                     pass
+                if not replacing:
+                    # Nothing committed: this save's data files would never be
+                    # referenced, and on a full disk they would keep the space
+                    # the next save needs.
+                    self._discard_own()
+                    if isinstance(e, OSError) and e.errno and e.filename is None:
+                        raise OSError(e.errno, e.strerror, str(tmp)) from e
                 raise
             if self.sync_files:
                 _fsync_dir(self.path)

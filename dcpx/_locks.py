@@ -77,6 +77,9 @@ def submitting() -> Iterator[None]:
 
 def dir_key(writer: Any) -> Optional[str]:
     """The directory a writer saves into (resolved), or None if unknown."""
+    key = getattr(getattr(writer, "store", None), "turn_key", None)
+    if isinstance(key, str):  # dcpx.fsspec's writers: file:///d is d
+        return key
     path = getattr(writer, "path", None)
     if not isinstance(path, (str, os.PathLike)):
         return None

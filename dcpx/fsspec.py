@@ -116,6 +116,18 @@ class _Store:
         return f"{self.url.rstrip('/')}/{name}"
 
     @property
+    def turn_key(self) -> str:
+        """The key of this store's directory for in-process turns
+        (``_locks.dir_key``): the resolved local directory on the local file
+        system (so that ``file:///d`` and a plain-path save into ``d`` take
+        turns), else the protocol and the root as fsspec resolves it."""
+        proto = self.fs.protocol
+        protos = (proto,) if isinstance(proto, str) else tuple(proto)
+        if "file" in protos:
+            return os.path.realpath(self.root)
+        return f"{protos[0]}://{self.root}"
+
+    @property
     def process_local(self) -> bool:
         """An in-memory store another process cannot see."""
         proto = self.fs.protocol
