@@ -49,7 +49,7 @@ sys.path.insert(0, HERE)
 
 import bench_async  # noqa: E402
 import bench_io  # noqa: E402
-from bench_load import read_limit  # noqa: E402
+from bench_load import limit_files, read_limit  # noqa: E402
 
 import dcpx  # noqa: E402
 from dcpx import _C, _metadata, _readplan  # noqa: E402
@@ -74,13 +74,18 @@ def med(fn, repeat, setup=None):
 
 
 def zero_byte_checks(sd):
-    """(values, entries, base) for _C.stage_plain that check sd's tensors as a DefaultStager
-    that staged sd checks them, and copy nothing."""
+    """(stager, checks): a sync DefaultStager that staged sd, and a function that checks sd's
+    tensors as that stager checks them (_C.stage_plain) and copies nothing."""
     stager = dcpx.DefaultStager(dcpx.StagingOptions(use_async_staging=False))
     stager.stage(sd)
     layout = stager._layout
+    values, base = list(sd.values()), layout.buffer.base
     entries = tuple(e[:6] + (0,) + e[7:] for e in layout.plain)
-    return stager, list(sd.values()), entries, layout.buffer.base
+
+    def checks():
+        if not _C.stage_plain(values, entries, base, threads=1):
+            raise SystemExit("bench_floor: the checks did not pass")
+    return stager, checks
 
 
 def during(copy, checks, repeat):
@@ -116,16 +121,9 @@ def staging(repeat, count):
     r = {"tensors": len(vals), "bytes": n}
     memcpy = lambda: ctypes.memmove(dst.data_ptr(), flat.data_ptr(), n)  # noqa: E731
     r["memcpy"] = med(memcpy, repeat)
-    keep, values, entries, base = zero_byte_checks(sd)
-
-    def checks():
-        if not _C.stage_plain(values, entries, base, threads=1):
-            raise SystemExit("bench_floor: the checks did not pass")
+    stager, checks = zero_byte_checks(sd)
     r["checks"] = med(checks, repeat)
     r["checks during copy"] = during(memcpy, checks, repeat)
-    keep.close()
-    stager = dcpx.DefaultStager(dcpx.StagingOptions(use_async_staging=False))
-    stager.stage(sd)
     r["dcpx stage (sync DefaultStager)"] = med(lambda: stager.stage(sd), repeat)
     stager.close()
     cores = os.cpu_count() or 1
@@ -141,27 +139,16 @@ def load(repeat, count, workdir):
     n = bench_io.nbytes(sd)
     path = os.path.join(workdir, "ck")
     dcpx.save(sd, checkpoint_id=path)
-    datafiles = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp"))
+    files = limit_files(path, n)
     buf = torch.empty(n, dtype=torch.uint8)
-    sizes = [os.path.getsize(f) for f in datafiles]
-    files, left = [], n
-    for f, s in zip(datafiles, sizes):
-        k = min(left, s * n // sum(sizes) + 1)
-        files.append((f, k))
-        left -= k
     raw = open(os.path.join(path, ".metadata"), "rb").read()
     r = {"tensors": len(vals), "bytes": n}
     r["read limit"] = med(lambda: read_limit(files, buf), repeat)
     r["crc32"] = med(lambda: _C.crc32(buf.numpy()), repeat)
-    keep, values, entries, base = zero_byte_checks(dst)
-
-    def checks():
-        if not _C.stage_plain(values, entries, base, threads=1):
-            raise SystemExit("bench_floor: the checks did not pass")
+    stager, checks = zero_byte_checks(dst)
     r["dest checks"] = med(checks, repeat)
-    keep.close()
-    r["flatten"] = med(lambda: _C.flatten_state_dict(dst) if hasattr(_C, "flatten_state_dict")
-                       else None, repeat)
+    stager.close()
+    r["flatten"] = med(lambda: _C.flatten_state_dict(dst), repeat)
     r["decode"] = med(lambda: _metadata.index(raw, path), repeat)
     dcpx.load(dst, checkpoint_id=path)
     r["dcpx load (fresh: read-plan cache cleared)"] = med(
@@ -177,7 +164,7 @@ def load(repeat, count, workdir):
     return r
 
 
-def report(st, ld, args, meta):
+def report(st, ld, meta):
     ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
     out = ["# Floors of issue 12's unmet per-tensor targets", "",
            f"`{' '.join(shlex.quote(a) for a in ['python', 'benchmarks/bench_floor.py'] + sys.argv[1:])}`",
@@ -223,7 +210,7 @@ def main():
         meta["loadavg_end"] = os.getloadavg()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    text = report(st, ld, args, meta)
+    text = report(st, ld, meta)
     print(text)
     if args.out:
         with open(args.out + ".json", "w") as f:

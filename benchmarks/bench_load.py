@@ -31,6 +31,19 @@ def make_tiny(count=100000):
     return {f"layer{i // 10}.p{i % 10}": torch.randn(4) for i in range(count)}
 
 
+def limit_files(path, nbytes):
+    """[(data file, bytes)] for read_limit: as many bytes as the tensors hold, spread over the
+    checkpoint's data files in proportion to their sizes."""
+    datafiles = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp"))
+    sizes = [os.path.getsize(f) for f in datafiles]
+    total, files, left = sum(sizes), [], nbytes
+    for f, s in zip(datafiles, sizes):
+        n = min(left, s * nbytes // total + 1)
+        files.append((f, n))
+        left -= n
+    return files
+
+
 def read_limit(files, buf):
     """The checkpoint's tensor bytes' worth of each data file, read into buf."""
     mv, off = memoryview(buf.numpy()).cast("B"), 0
@@ -60,14 +73,7 @@ def run(name, sd, args, workdir):
     path = os.path.join(workdir, name)
     dcpx.save(sd, checkpoint_id=path)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    # The limit reads as many bytes as the tensors hold, spread over the data files.
-    datafiles = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp"))
-    sizes = [os.path.getsize(f) for f in datafiles]
-    total, files, left = sum(sizes), [], nbytes
-    for f, s in zip(datafiles, sizes):
-        n = min(left, s * nbytes // total + 1)
-        files.append((f, n))
-        left -= n
+    files = limit_files(path, nbytes)
     buf = torch.empty(nbytes, dtype=torch.uint8)
     dst = {k: torch.empty_like(v) for k, v in sd.items()}
     limit, loads = [], []
@@ -91,7 +97,7 @@ def run(name, sd, args, workdir):
             sys.exit(f"{name}: torch load differs")
     lim, later = statistics.median(limit), statistics.median(loads[1:] or loads)
     n = len(sd)
-    print(f"({name}) {n} tensors, {nbytes / 2**20:.1f} MiB, {sum(sizes) / 2**20:.1f} MiB of data files")
+    print(f"({name}) {n} tensors, {nbytes / 2**20:.1f} MiB, {sum(os.path.getsize(f) for f, _ in files) / 2**20:.1f} MiB of data files")
     print(f"  read limit             median {lim:.4f} s   ({nbytes / lim / 1e9:.2f} GB/s)")
     print(f"  dcpx load, first       {loads[0]:.4f} s")
     print(f"  dcpx load, 2..N        median {later:.4f} s  min {min(loads[1:] or loads):.4f} s"

@@ -33,7 +33,7 @@ def child(args):
     import torch
 
     import dcpx
-    from bench_load import read_limit
+    from bench_load import limit_files, read_limit
     sd = torch.load(os.path.join(args.dir, "sd.pt"))
     dst = {k: torch.empty_like(v) for k, v in sd.items()}
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -42,13 +42,7 @@ def child(args):
     out = []
     for i in range(1, args.count):
         path = os.path.join(args.dir, f"c{i}")
-        datafiles = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp"))
-        sizes = [os.path.getsize(f) for f in datafiles]
-        files, left = [], nbytes
-        for f, s in zip(datafiles, sizes):
-            n = min(left, s * nbytes // sum(sizes) + 1)
-            files.append((f, n))
-            left -= n
+        files = limit_files(path, nbytes)
         t, c = time.perf_counter(), time.process_time()
         read_limit(files, buf)
         lim, lim_cpu = time.perf_counter() - t, time.process_time() - c
