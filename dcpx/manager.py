@@ -530,16 +530,15 @@ class CheckpointManager:
         if not doomed:
             return []
         newest = self.latest_step()
-        try:
-            self._root.reader(_step_dir(newest)).read_metadata()
-        except Exception as e:
+        err = self._read_back_error(newest)
+        if err is not None:
             # The step this manager committed last is kept too: if it reads
             # back, the pass leaves an intact step (else retention stopped
             # for good after a resume past a step whose .metadata is bad).
             last = self._last_saved
-            if last is None or last == newest or not self._readable(last):
+            if last is None or last == newest or self._read_back_error(last) is not None:
                 warnings.warn(f"dcpx.CheckpointManager: retention deletes nothing: the newest "
-                              f"committed step {newest} does not read back ({e})",
+                              f"committed step {newest} does not read back ({err})",
                               StepSkippedWarning)
                 return []
         deleted = []
@@ -559,12 +558,13 @@ class CheckpointManager:
             deleted.append(s)
         return deleted
 
-    def _readable(self, step: int) -> bool:
+    def _read_back_error(self, step: int) -> Optional[Exception]:
+        """Why the step's metadata does not read back; None if it does."""
         try:
             self._root.reader(_step_dir(step)).read_metadata()
-        except Exception:
-            return False
-        return True
+        except Exception as e:
+            return e
+        return None
 
     # --------------------------------------------------------------- load
     def _check(self, step: int) -> Optional[str]:
