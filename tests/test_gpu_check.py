@@ -40,6 +40,8 @@ def _copy_repo(dst: Path) -> Path:
 
 
 @pytest.mark.skipif(CUDA, reason="this machine has CUDA: the GPU parts would run")
+@pytest.mark.skipif(os.environ.get("DCPX_SANITIZE", "0") != "0",
+                    reason="a script and a build in a copy: the normal run covers it")
 def test_the_check_runs_here_and_records_every_part(tmp_path):
     repo = _copy_repo(tmp_path / "repo")
     out = tmp_path / "out"
