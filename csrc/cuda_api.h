@@ -158,6 +158,7 @@ PyObject *dcpx_cuda_driver_version(PyObject *module, PyObject *unused);
 PyObject *dcpx_cuda_host_register(PyObject *module, PyObject *args);
 PyObject *dcpx_cuda_host_unregister(PyObject *module, PyObject *args);
 PyObject *dcpx_cuda_release_all(PyObject *module, PyObject *unused);
+PyObject *dcpx_cuda_registered(PyObject *module, PyObject *unused);
 PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
                               PyObject *kwds);
 PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,

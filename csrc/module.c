@@ -322,6 +322,11 @@ PyDoc_STRVAR(cuda_release_doc,
              "Unregister every buffer still registered, destroy dcpx's "
              "streams, release the primary contexts (interpreter exit).");
 
+PyDoc_STRVAR(cuda_registered_doc,
+             "cuda_registered($module, /)\n--\n\n"
+             "(count, bytes) of the host ranges page-locked by dcpx and not "
+             "yet unregistered; makes no driver call.");
+
 PyDoc_STRVAR(cuda_copy_doc,
              "cuda_copy_into($module, pairs, base, wait_streams=(), "
              "wait=True, segment_bytes=64 MiB)\n--\n\n"
@@ -379,6 +384,8 @@ static PyMethodDef dcpx_methods[] = {
      cuda_unregister_doc},
     {"cuda_release_all", dcpx_cuda_release_all, METH_NOARGS,
      cuda_release_doc},
+    {"cuda_registered", dcpx_cuda_registered, METH_NOARGS,
+     cuda_registered_doc},
     {"cuda_copy_into", (PyCFunction)(void (*)(void))dcpx_cuda_copy_into,
      METH_VARARGS | METH_KEYWORDS, cuda_copy_doc},
     {"cuda_copy_from_host",

@@ -404,12 +404,19 @@ def test_release_all_unpins_and_releases_and_the_path_comes_back(lib):
     t = FakeCudaTensor(lib.devices[1], 4096)
     t.write(_rand(4096, 9))
     bufs = [_buffer(4096) for _ in range(2)]
+    before = _C.cuda_registered()
     for b in bufs:
         assert _C.cuda_host_register(b)
+    # cuda_registered() counts what dcpx pinned, as the driver does.
+    assert _C.cuda_registered() == (before[0] + 2, before[1] + 2 * 4096)
+    assert lib.fake_registered() == before[0] + 2
+    assert _C.cuda_host_unregister(bufs[1]) is True
+    assert _C.cuda_registered() == (before[0] + 1, before[1] + 4096)
+    assert _C.cuda_host_register(bufs[1])
     _C.cuda_copy_into([(t, 0)], bufs[0])
     retained = [lib.fake_retained(d) for d in range(2)]
     assert _C.cuda_release_all() == 2
-    assert lib.fake_registered() == 0
+    assert lib.fake_registered() == 0 and _C.cuda_registered() == (0, 0)
     assert [lib.fake_retained(d) for d in range(2)] == [r - 1 for r in retained]
     assert _C.cuda_host_unregister(bufs[0]) is False
     _C.cuda_copy_into([(t, 0)], bufs[1])  # streams and contexts set up again
