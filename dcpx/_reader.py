@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import _C, _metadata, _values
+from ._byteorder import archive_byteorder, swap_untyped
 from ._dtypes import _TO_DLPACK, dlpack_view, storage_type_name
 from ._files import _check_dir, local_path, open_regular, read_regular, special_file_error
 from .errors import CorruptCheckpointError, IncompleteCheckpointError
@@ -634,6 +635,8 @@ class FileSystemReader(StorageReader):
         except Exception as e:
             raise CorruptCheckpointError(f"{path}: key {r.key!r}: cannot load tensor "
                                          f"record: {e}") from e
+        if isinstance(t, torch.Tensor):  # torch.load leaves untyped storages unswapped
+            swap_untyped([t], archive_byteorder(raw))
         if not isinstance(t, torch.Tensor) or t.shape != r.chunk or t.dtype != r.dtype:
             raise CorruptCheckpointError(
                 f"{path}: key {r.key!r}: record holds "
