@@ -25,6 +25,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 import torch
 
 from .._byteorder import archive_byteorder, swap_untyped, tensors_in
+from .._flatten import flatten_state_dict
 from ..errors import IncompleteCheckpointError
 from ..filesystem import METADATA_FN
 
@@ -243,6 +244,17 @@ class TorchSource(Source):
         swap_untyped(tensors_in(obj), order)
         self._values: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
+        if isinstance(obj, dict) and obj:
+            # A state dict: flattened as DCP (torch >= 2.4) flattens it, so
+            # that a DCP output loads with dcpx.load / torch's load into the
+            # same nested state dict (lists of dicts, e.g. an optimizer's
+            # param_groups, down to their leaves; not as one value, which
+            # only torch's 2.3 fallback would find).
+            try:
+                self._values, self._paths = flatten_state_dict(obj)
+            except ValueError as e:  # two entries flatten to one key
+                raise CliError(f"{self.path}: {e}") from None
+            return
         for p, leaf in flatten(obj):
             key = fqn(p)
             if key in self._values:
