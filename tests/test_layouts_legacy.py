@@ -93,10 +93,22 @@ def assert_same(a, b, where="") -> None:
         assert a == b, (where, a, b)
 
 
-@pytest.fixture
-def legacy(tmp_path):
+def as_torch_2_3_metadata(path) -> None:
+    """Rewrite .metadata as torch 2.3 pickled it: a Metadata with neither
+    ``storage_meta`` nor ``version`` (fields torch 2.4 added)."""
+    import pickle
+    md_file = path / ".metadata"
+    md = pickle.loads(md_file.read_bytes())
+    del md.__dict__["storage_meta"], md.__dict__["version"]
+    md_file.write_bytes(pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+@pytest.fixture(params=["2.13 metadata", "2.3 metadata"])
+def legacy(tmp_path, request):
     saved = as_state(*train_state(lr=0.01, wd=0.1, steps=3, seed=0))
     save_2_3(tmp_path / "ck", saved)
+    if request.param == "2.3 metadata":
+        as_torch_2_3_metadata(tmp_path / "ck")
     clear()
     return tmp_path / "ck", saved
 
@@ -183,9 +195,12 @@ def test_current_layout_untouched(tmp_path):
     assert_same(ref, saved)
 
 
-def test_manager_resumes_a_2_3_step(tmp_path):
+@pytest.mark.parametrize("metadata", ["2.13", "2.3"])
+def test_manager_resumes_a_2_3_step(tmp_path, metadata):
     saved = as_state(*train_state(lr=0.01, wd=0.1, steps=3, seed=0))
     save_2_3(tmp_path / "root" / "step-30", saved)
+    if metadata == "2.3":
+        as_torch_2_3_metadata(tmp_path / "root" / "step-30")
     for verify in ("commit", "full"):
         mgr = dcpx.CheckpointManager(tmp_path / "root", verify=verify, async_mode="sync")
         try:
