@@ -153,6 +153,9 @@ def test_dcpx_written_loads_both_ways_unchanged(tmp_path):
     got = empty_like(sd)
     dcpx.load(got, checkpoint_id=tmp_path / "ck")
     assert_equal(got, sd)
+    ref = empty_like(sd)
+    tdcp.load(ref, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    assert_equal(ref, sd)
 
 
 def test_verify_big_endian_ok_and_bad_byteorder_named(tmp_path, monkeypatch):
