@@ -236,3 +236,18 @@ def test_convert_big_endian_torch_save_untyped_in_a_list(tmp_path, monkeypatch, 
     got = {"hist": [torch.zeros_like(h), torch.zeros_like(f)]}
     dcpx.load(got, checkpoint_id=tmp_path / "ck")
     assert torch.equal(got["hist"][0], h) and torch.equal(got["hist"][1], f)
+
+
+def test_records_left_to_torch_load_are_swapped_too(tmp_path, monkeypatch):
+    """A record the C reader leaves to torch.load (FileSystemReader.
+    _fallback_read: views of a larger storage, a byteorder record far from
+    the start): torch.load swaps the typed storages, dcpx the untyped ones."""
+    from dcpx._reader import _TensorRead
+    sd = {"f": _values(torch.float32), "h": _values(torch.uint16), "c": _values(torch.complex64)}
+    save_big_dcp(monkeypatch, sd, tmp_path / "ck")
+    reader = dcpx.FileSystemReader(tmp_path / "ck")
+    md = reader.read_metadata()
+    for index, info in md.storage_data.items():
+        t = sd[index.fqn]
+        got = reader._fallback_read(_TensorRead(index.fqn, info, t.shape, t.dtype, t, None))
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), index.fqn
