@@ -226,3 +226,34 @@ def test_convert_of_a_training_torch_save_loads_both_ways(tmp_path, capsys):
         else:
             torch_load(tmp_path / "ck", got)
         assert_same(got, saved, loader)
+
+
+@pytest.mark.parametrize("case", ["dotted key", "empty container", "list of dicts"])
+def test_containers_found_as_torch_finds_them(tmp_path, case):
+    """The 2.3-only key is a container under a key holding a dot, an empty
+    dict in the state dict being loaded (torch's fallback fills it), or a
+    list of plain dicts: each loads as torch loads it."""
+    w = torch.arange(6.0)
+    if case == "dotted key":
+        saved = {"cfg": {"a.b": {"x": 1, "y": [1, 2]}, "t": w}, "w": w}
+        fresh_sd = lambda: {"cfg": {"a.b": {"x": 0, "y": [0, 0]}, "t": torch.zeros(6)},  # noqa: E731
+                            "w": torch.zeros(6)}
+        key = "cfg.a.b"
+    elif case == "empty container":
+        saved = {"sched": {"last_epoch": 3, "base_lrs": [0.1]}, "w": w}
+        fresh_sd = lambda: {"sched": {}, "w": torch.zeros(6)}  # noqa: E731
+        key = "sched"
+    else:
+        saved = {"groups": [{"lr": 0.5}, {"lr": 0.25, "ids": [1, 2]}], "w": w}
+        fresh_sd = lambda: {"groups": [{"lr": 0.0}, {"lr": 0.0, "ids": [0]}],  # noqa: E731
+                            "w": torch.zeros(6)}
+        key = "groups"
+    save_2_3(tmp_path / "ck", saved)
+    sdm = dcpx.FileSystemReader(tmp_path / "ck").read_metadata().state_dict_metadata
+    assert isinstance(sdm[key], BytesStorageMetadata)
+    ref, got = fresh_sd(), fresh_sd()
+    torch_load(tmp_path / "ck", ref)
+    clear()
+    dcpx.load(got, checkpoint_id=tmp_path / "ck")
+    assert_same(ref, saved)
+    assert_same(got, ref)
