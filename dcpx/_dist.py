@@ -941,7 +941,7 @@ def _materialize_meta(original: dict) -> bool:
 def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
                ck: _readplan.Checkpoint, allow_partial_load: bool) -> bool:
     """load_flat; whether it went through a plan."""
-    legacy = legacy_layout(original, flat, mappings, ck.byte_info())  # a torch <= 2.3 checkpoint
+    legacy = legacy_layout(original, flat, ck.byte_info())  # a torch <= 2.3 checkpoint
     if legacy is not None:
         flat, mappings = legacy
     key = None if ck.no_plan else (tuple(flat), allow_partial_load)

@@ -16,21 +16,16 @@ The keys that only the 2.3 flattening has are paths of containers that
 hold no tensor, which the 2.3 writer saved as bytes items: so only the
 checkpoint's bytes items missing from the flattening are looked at, and
 torch's flattening runs again only when one of them is the path of a
-container in the state dict being loaded: found by one lookup per dotted
-segment (empty containers included), or, for keys that hold dots, as a
-prefix of a non-tensor leaf's path (an empty container under a dotted key
-is the one case this misses).  A load of a current-layout checkpoint pays
-one dict lookup per bytes item.
+container in the state dict being loaded (empty ones included), found by
+a lookup per dotted segment (``_container_at``).  A load of a
+current-layout checkpoint pays one dict lookup per bytes item.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Iterable, Optional
 
-import torch
-
 _ABSENT = object()
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _child(node: Any, key: str) -> Any:
@@ -52,33 +47,37 @@ def _child(node: Any, key: str) -> Any:
     return _ABSENT
 
 
-def _container_at(node: Any, fqn: str) -> bool:
-    """Whether ``fqn``, one key per dotted segment, leads from ``node`` to
-    a Mapping or a list (empty ones included).  One lookup per segment:
-    the keys come from the checkpoint, so no split is tried twice."""
-    for seg in fqn.split("."):
-        node = _child(node, seg)
-        if node is _ABSENT:
+def _longest_key(node: Mapping, cache: dict) -> int:
+    """Length of node's longest flattened key name (computed once a call)."""
+    n = cache.get(id(node))
+    if n is None:
+        n = cache[id(node)] = max((len(str(k)) for k in node), default=0)
+    return n
+
+
+def _container_at(root: Any, fqn: str, cache: dict) -> bool:
+    """Whether ``fqn`` leads from ``root`` to a Mapping or a list (empty
+    ones included).  Each dotted segment is looked up as a key; where it
+    is not one, the segments that follow are joined to it (a key may hold
+    dots) up to the length of the node's longest key: the keys come from
+    the checkpoint, and this bounds the work a crafted one can cause."""
+    segs = fqn.split(".")
+    node, i = root, 0
+    while i < len(segs):
+        key, j = segs[i], i + 1
+        child = _child(node, key)
+        if child is _ABSENT and isinstance(node, Mapping):
+            cap = _longest_key(node, cache)
+            while j < len(segs) and len(key) < cap:
+                key += "." + segs[j]
+                j += 1
+                child = _child(node, key)
+                if child is not _ABSENT:
+                    break
+        if child is _ABSENT:
             return False
+        node, i = child, j
     return isinstance(node, (Mapping, list))
-
-
-def _leaf_container(flat: dict, mappings: dict, missing: list) -> bool:
-    """Whether a missing key is the path of a container above a non-tensor
-    leaf of the flattening (its keys may hold dots: ``_container_at``
-    cannot split them).  Only the non-tensor leaves are looked at: a
-    container the 2.3 flattening keeps whole holds no tensor."""
-    if set(map(type, flat.values())).issubset(_PLAIN):
-        return False
-    wanted = set(missing)
-    for key, value in flat.items():
-        if isinstance(value, torch.Tensor):
-            continue
-        path = mappings[key]
-        for i in range(1, len(path)):
-            if ".".join(map(str, path[:i])) in wanted:
-                return True
-    return False
 
 
 def flatten_v2_3(state_dict: dict) -> tuple[dict, dict]:
@@ -99,15 +98,15 @@ def flatten_v2_3(state_dict: dict) -> tuple[dict, dict]:
     return flat, mappings
 
 
-def legacy_layout(original: dict, flat: dict, mappings: dict, byte_keys: Iterable[str]
+def legacy_layout(original: dict, flat: dict, byte_keys: Iterable[str]
                   ) -> Optional[tuple[dict, dict]]:
     """(flat, mappings) of the 2.3 flattening of ``original`` when torch's
     DefaultLoadPlanner would load the checkpoint through it (its
     ``2_3`` fallback); None to keep ``flat``.  ``byte_keys``: the keys of
     the checkpoint's bytes items."""
     missing = [k for k in byte_keys if k not in flat]
-    if not missing or not (any(_container_at(original, k) for k in missing)
-                           or _leaf_container(flat, mappings, missing)):
+    cache: dict = {}
+    if not missing or not any(_container_at(original, k, cache) for k in missing):
         return None
     old_flat, old_mappings = flatten_v2_3(original)
     if any(k in old_flat for k in missing):
