@@ -257,3 +257,26 @@ def test_containers_found_as_torch_finds_them(tmp_path, case):
     dcpx.load(got, checkpoint_id=tmp_path / "ck")
     assert_same(ref, saved)
     assert_same(got, ref)
+
+
+def _load_on_ranks(rank: int, world_size: int, path: str) -> list:
+    """Each rank loads the 2.3-layout checkpoint through dcpx's
+    multi-process path (_dist.load), plainly and with allow_partial_load."""
+    import torch.distributed as dist
+    assert dist.is_initialized()
+    saved = as_state(*train_state(lr=0.01, wd=0.1, steps=3, seed=0))
+    out = []
+    for partial in (False, True):
+        got = fresh()
+        dcpx.load(got, checkpoint_id=path,
+                  planner=DefaultLoadPlanner(allow_partial_load=partial))
+        assert_same(got, saved, f"rank {rank} partial={partial}")
+        out.append(got["optim"]["param_groups"][0]["weight_decay"])
+    return out
+
+
+def test_two_ranks_load_the_2_3_layout(tmp_path):
+    from dist_helpers import spawn
+    saved = as_state(*train_state(lr=0.01, wd=0.1, steps=3, seed=0))
+    save_2_3(tmp_path / "ck", saved)
+    assert spawn(_load_on_ranks, 2, str(tmp_path / "ck"), timeout=300) == [[0.1, 0.1]] * 2
