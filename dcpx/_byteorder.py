@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import sys
 import zipfile
 from collections.abc import Mapping
@@ -34,13 +35,29 @@ def archive_byteorder(source: Union[bytes, str, os.PathLike]) -> str:
     any other content, as torch.load does."""
     f = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
     with zipfile.ZipFile(f) as z:
-        names = [n for n in z.namelist() if n.endswith("/byteorder") and n.count("/") == 1]
-        if not names:
+        infos = [i for i in z.infolist()
+                 if i.filename.endswith("/byteorder") and i.filename.count("/") == 1]
+        if not infos:
             return "little"
-        data = z.read(names[0])
+        data = _stored_bytes(z, infos[0])
     if data not in (b"little", b"big"):
         raise ValueError(f"Unknown endianness type: {data!r}")
     return data.decode()
+
+
+def _stored_bytes(z: zipfile.ZipFile, info: zipfile.ZipInfo) -> bytes:
+    """A small record's bytes, without the CRC check ``ZipFile.read`` makes:
+    a record torch wrote with its CRC option off has CRC 0 (not checked
+    here; what dcpx checks, it checks elsewhere)."""
+    if info.compress_type != zipfile.ZIP_STORED or info.file_size > 64:
+        return z.read(info)
+    z.fp.seek(info.header_offset)
+    head = z.fp.read(30)
+    if len(head) < 30 or head[:4] != b"PK\x03\x04":
+        raise ValueError(f"bad zip local header for {info.filename}")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    z.fp.seek(info.header_offset + 30 + name_len + extra_len)
+    return z.fp.read(info.file_size)
 
 
 def _untyped(dtype: torch.dtype) -> bool:

@@ -251,3 +251,29 @@ def test_records_left_to_torch_load_are_swapped_too(tmp_path, monkeypatch):
         t = sd[index.fqn]
         got = reader._fallback_read(_TensorRead(index.fqn, info, t.shape, t.dtype, t, None))
         assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), index.fqn
+
+
+def test_big_endian_without_crcs(tmp_path, monkeypatch, capsys):
+    """Both at once (torch.serialization.set_crc32_options(False) on a
+    big-endian host): the byteorder record has no CRC either."""
+    from dcpx._reader import _TensorRead
+    sd = {"f": _values(torch.float64), "h": _values(torch.uint32)}
+    torch.serialization.set_crc32_options(False)
+    try:
+        save_big_dcp(monkeypatch, sd, tmp_path / "ck")
+        with big_endian_host(monkeypatch):
+            torch.save({k: big_endian(v) for k, v in sd.items()}, tmp_path / "be.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    got = empty_like(sd)
+    dcpx.load(got, checkpoint_id=tmp_path / "ck")
+    assert_equal(got, sd)
+    reader = dcpx.FileSystemReader(tmp_path / "ck")
+    for index, info in reader.read_metadata().storage_data.items():
+        t = sd[index.fqn]
+        back = reader._fallback_read(_TensorRead(index.fqn, info, t.shape, t.dtype, t, None))
+        assert torch.equal(back, t), index.fqn
+    assert cli_main(["convert", str(tmp_path / "be.pt"), str(tmp_path / "ck2")]) == 0
+    got = empty_like(sd)
+    dcpx.load(got, checkpoint_id=tmp_path / "ck2")
+    assert_equal(got, sd)

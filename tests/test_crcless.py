@@ -149,3 +149,24 @@ def test_manager_resumes_crcless_step(tmp_path):
             check(got)
         finally:
             mgr.close()
+
+
+def test_convert_crcless_both_ways(tmp_path, capsys):
+    """dcpx convert reads a CRC-less DCP checkpoint and a CRC-less
+    torch.save file; what it writes has CRCs."""
+    from dcpx.cli import main as cli_main
+    save_crcless(tmp_path / "ck")
+    # (--only: a value holding a tensor, 'extra', is a separate matter for
+    # a torch.save output)
+    assert cli_main(["convert", str(tmp_path / "ck"), str(tmp_path / "out.pt"),
+                     "--only", "w", "--only", "name"]) == 0
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert torch.equal(got["w"], state()["w"]) and got["name"] == "run-1"
+    with crc_off():
+        torch.save({"w": state()["w"], "n": 3}, tmp_path / "in.pt")
+    assert {i.CRC for i in zipfile.ZipFile(tmp_path / "in.pt").infolist() if i.file_size} == {0}
+    assert cli_main(["convert", str(tmp_path / "in.pt"), str(tmp_path / "ck2")]) == 0
+    assert 0 not in record_crcs(tmp_path / "ck2")
+    back = {"w": torch.zeros(4096), "n": 0}
+    dcpx.load(back, checkpoint_id=tmp_path / "ck2")
+    assert torch.equal(back["w"], state()["w"]) and back["n"] == 3
