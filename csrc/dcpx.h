@@ -181,6 +181,10 @@ int dcpx_zip_scan_cd(const unsigned char *cd, size_t cd_len,
                      uint64_t archive_len, uint64_t *pkl_lho,
                      uint64_t *pkl_len, uint32_t *pkl_crc, uint64_t *data_lho,
                      uint64_t *data_len, uint32_t *data_crc, const char **why);
+/* Locate the archive's byteorder record in its central directory: 1
+ * (found), 0 (none: little-endian, as torch assumes), -1 (needs zip64). */
+int dcpx_zip_find_byteorder(const unsigned char *cd, size_t cd_len,
+                            uint64_t *lho, uint64_t *len);
 /* Given the bytes at a local header (at least 30 + name + extra), return the
  * offset of its data relative to the header.  */
 int dcpx_zip_local_data_off(const unsigned char *lh, size_t avail,

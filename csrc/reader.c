@@ -176,6 +176,96 @@ static int check_record(ritem *it, const dcpx_tensor_record *rec)
     return 0;
 }
 
+/* Whether the archive's tensor bytes are in the other byte order than
+ * this host's: its byteorder record says "big" or "little" (torch writes
+ * sys.byteorder there); none means little, as torch assumes.  The record
+ * must lie in the head window (torch writes it right after data.pkl);
+ * anything else is left to torch.load. */
+static int archive_swaps(const window *head, const unsigned char *cd,
+                         uint64_t cd_len, int *swap, const char **why)
+{
+    uint64_t lho, len, doff;
+    const unsigned char *p;
+    int big;
+    int found = dcpx_zip_find_byteorder(cd, (size_t)cd_len, &lho, &len);
+    *swap = 0;
+    if (found == 0)
+        return DCPX_PARSE_OK;
+    if (found < 0 || !(p = in_window(head, lho, 30))) {
+        *why = "byteorder record is not near the start of the archive";
+        return DCPX_PARSE_UNSUPPORTED;
+    }
+    int rc = dcpx_zip_local_data_off(p, 30, &doff, why);
+    if (rc != DCPX_PARSE_OK)
+        return rc;
+    if (!(p = in_window(head, lho + doff, len))) {
+        *why = "byteorder record is not near the start of the archive";
+        return DCPX_PARSE_UNSUPPORTED;
+    }
+    if (len == 6 && memcmp(p, "little", 6) == 0)
+        big = 0;
+    else if (len == 3 && memcmp(p, "big", 3) == 0)
+        big = 1;
+    else {
+        *why = "byteorder record is neither 'little' nor 'big'";
+        return DCPX_PARSE_CORRUPT;
+    }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    *swap = !big;
+#else
+    *swap = big;
+#endif
+    return DCPX_PARSE_OK;
+}
+
+/* Reverse the bytes of each `size`-byte element of p[0 .. n), in place
+ * (torch's UntypedStorage._byteswap). */
+static void byteswap(unsigned char *p, uint64_t n, uint32_t size)
+{
+    if (size == 2) {
+        for (uint64_t i = 0; i + 2 <= n; i += 2) {
+            uint16_t v;
+            memcpy(&v, p + i, 2);
+            v = __builtin_bswap16(v);
+            memcpy(p + i, &v, 2);
+        }
+    }
+    else if (size == 4) {
+        for (uint64_t i = 0; i + 4 <= n; i += 4) {
+            uint32_t v;
+            memcpy(&v, p + i, 4);
+            v = __builtin_bswap32(v);
+            memcpy(p + i, &v, 4);
+        }
+    }
+    else if (size == 8) {
+        for (uint64_t i = 0; i + 8 <= n; i += 8) {
+            uint64_t v;
+            memcpy(&v, p + i, 8);
+            v = __builtin_bswap64(v);
+            memcpy(p + i, &v, 8);
+        }
+    }
+    else if (size > 1) {
+        for (uint64_t i = 0; i + size <= n; i += size)
+            for (uint32_t a = 0, b = size - 1; a < b; a++, b--) {
+                unsigned char t = p[i + a];
+                p[i + a] = p[i + b];
+                p[i + b] = t;
+            }
+    }
+}
+
+/* The bytes each swapped unit spans for a record's dtype: the element
+ * size, or half of it for complex types (torch swaps each component). */
+static uint32_t swap_unit(const ritem *it, const dcpx_tensor_record *rec)
+{
+    uint32_t size = it->dest.itemsize;
+    if (strstr(rec->storage_type, "omplex") != NULL)  /* Complex*Storage, complex32 */
+        size /= 2;
+    return size;
+}
+
 /* Read one archive: from `mem` if its L bytes are there already (a run),
  * else from its file. */
 static int read_archive(rjob *job, ritem *it, scratch *s,
@@ -188,8 +278,8 @@ static int read_archive(rjob *job, ritem *it, scratch *s,
     uint64_t cd_off, cd_len, pkl_lho, pkl_len, data_lho, data_len, doff;
     uint32_t pkl_crc, data_crc;
     dcpx_tensor_record rec;
-    const unsigned char *p;
-    int rc;
+    const unsigned char *p, *cd = NULL;
+    int rc, swap = 0;
 
     if (mem != NULL) {
         head.w = tail.w = mem;
@@ -220,9 +310,13 @@ static int read_archive(rjob *job, ritem *it, scratch *s,
         rc = DCPX_PARSE_UNSUPPORTED;
         why = "central directory larger than the read window";
     }
-    if (rc == DCPX_PARSE_OK)
+    if (rc == DCPX_PARSE_OK) {
+        cd = p;
         rc = dcpx_zip_scan_cd(p, cd_len, L, &pkl_lho, &pkl_len, &pkl_crc,
                               &data_lho, &data_len, &data_crc, &why);
+    }
+    if (rc == DCPX_PARSE_OK)
+        rc = archive_swaps(&head, cd, cd_len, &swap, &why);
     if (rc == DCPX_PARSE_OK && !(p = in_window(&head, pkl_lho, 30))) {
         rc = DCPX_PARSE_UNSUPPORTED;
         why = "data.pkl is not near the start of the archive";
@@ -289,6 +383,9 @@ static int read_archive(rjob *job, ritem *it, scratch *s,
                  "%08x, computed %08x", data_crc, crc);
         return fail(it, RD_CRC, 0, m);
     }
+    /* After the CRC, which is of the bytes as stored. */
+    if (swap && data_len)
+        byteswap((unsigned char *)it->dest.data, data_len, swap_unit(it, &rec));
     return 0;
 }
 

@@ -152,6 +152,33 @@ int dcpx_zip_scan_cd(const unsigned char *cd, size_t cd_len,
     return DCPX_PARSE_OK;
 }
 
+/* The byteorder record of a torch.save archive (its central directory is
+ * `cd`, already walked by dcpx_zip_scan_cd): torch writes "little" or
+ * "big" there (serialization.py, _save), and byte-swaps every storage on
+ * load when it differs from the host's order.  1 with its local header
+ * offset and length, 0 when the archive has none (torch then assumes
+ * little), -1 when its offset needs zip64 (left to torch). */
+int dcpx_zip_find_byteorder(const unsigned char *cd, size_t cd_len,
+                            uint64_t *lho, uint64_t *len)
+{
+    size_t pos = 0;
+    while (pos + 46 <= cd_len && rd32(cd + pos) == 0x02014b50) {
+        const unsigned char *e = cd + pos;
+        size_t nlen = rd16(e + 28), xlen = rd16(e + 30), clen = rd16(e + 32);
+        const char *name = (const char *)e + 46;
+        if (pos + 46 + nlen + xlen + clen > cd_len)
+            return -1;
+        if (ends_with(name, nlen, "/byteorder") &&
+            memchr(name, '/', nlen - 10) == NULL) {
+            *lho = rd32(e + 42);
+            *len = rd32(e + 24);
+            return *lho == 0xFFFFFFFFu || *len == 0xFFFFFFFFu ? -1 : 1;
+        }
+        pos += 46 + nlen + xlen + clen;
+    }
+    return 0;
+}
+
 int dcpx_zip_local_data_off(const unsigned char *lh, size_t avail,
                             uint64_t *data_off, const char **why)
 {

@@ -54,6 +54,7 @@ from . import _metadata, _readplan
 from ._files import DCP_VERSION
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
+from ._legacy import legacy_layout
 from ._pending import _Entry, tensor_payload
 from ._plan import (  # noqa: F401 (the planner's names, as before)
     GlobalPlan,
@@ -940,6 +941,9 @@ def _materialize_meta(original: dict) -> bool:
 def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
                ck: _readplan.Checkpoint, allow_partial_load: bool) -> bool:
     """load_flat; whether it went through a plan."""
+    legacy = legacy_layout(original, flat, ck.byte_info())  # a torch <= 2.3 checkpoint
+    if legacy is not None:
+        flat, mappings = legacy
     key = None if ck.no_plan else (tuple(flat), allow_partial_load)
     plan = None if key is None else _readplan.get_plan(ck, key)
     if plan is None and key is not None:

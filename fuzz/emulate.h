@@ -60,6 +60,15 @@ static int fz_read_one_parse(const fz_window *head, const fz_window *tail,
         rc = dcpx_zip_scan_cd(p, (size_t)cd_len, L, &r->pkl_lho, &r->pkl_len,
                               &r->pkl_crc, &r->data_lho, &r->data_len,
                               &r->data_crc, &why);
+    if (rc == DCPX_PARSE_OK) { /* reader.c's archive_swaps: the byteorder record */
+        uint64_t bo_lho, bo_len, bo_off;
+        const unsigned char *b;
+        if (dcpx_zip_find_byteorder(p, (size_t)cd_len, &bo_lho, &bo_len) > 0 &&
+            (b = fz_in_window(head, bo_lho, 30)) != NULL &&
+            dcpx_zip_local_data_off(b, 30, &bo_off, &why) == DCPX_PARSE_OK &&
+            (b = fz_in_window(head, bo_lho + bo_off, bo_len)) != NULL && bo_len >= 3)
+            (void)memcmp(b, "big", 3);
+    }
     if (rc == DCPX_PARSE_OK && !(p = fz_in_window(head, r->pkl_lho, 30))) {
         rc = DCPX_PARSE_UNSUPPORTED;
         why = "data.pkl is not near the start of the archive";

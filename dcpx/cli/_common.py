@@ -17,12 +17,15 @@ import json
 import mmap
 import os
 import sys
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
+from .._byteorder import archive_byteorder, swap_untyped, tensors_in
+from .._flatten import flatten_state_dict
 from ..errors import IncompleteCheckpointError
 from ..filesystem import METADATA_FN
 
@@ -231,8 +234,27 @@ class TorchSource(Source):
             self.mapped = False
         except Exception as e:
             raise CliError(f"{self.path}: cannot load with weights_only=True: {e}") from e
+        # A file written on a big-endian host: torch.load swapped its typed
+        # storages in place in the mapping's private (copy-on-write) pages,
+        # which release_pages would discard (a tied tensor read later would
+        # see the file's unswapped bytes again); and it left the untyped
+        # ones (uint16, float8...) unswapped (dcpx/_byteorder.py).
+        order = archive_byteorder(self.path) if zipfile.is_zipfile(self.path) else sys.byteorder
+        self.swapped = order != sys.byteorder
+        swap_untyped(tensors_in(obj), order)
         self._values: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
+        if isinstance(obj, dict) and obj:
+            # A state dict: flattened as DCP (torch >= 2.4) flattens it, so
+            # that a DCP output loads with dcpx.load / torch's load into the
+            # same nested state dict (lists of dicts, e.g. an optimizer's
+            # param_groups, down to their leaves; not as one value, which
+            # only torch's 2.3 fallback would find).
+            try:
+                self._values, self._paths = flatten_state_dict(obj)
+            except ValueError as e:  # two entries flatten to one key
+                raise CliError(f"{self.path}: {e}") from None
+            return
         for p, leaf in flatten(obj):
             key = fqn(p)
             if key in self._values:
@@ -256,7 +278,7 @@ class TorchSource(Source):
         return self._values[key]
 
     def release(self, key: str, value: Any) -> None:
-        if self.mapped and isinstance(value, torch.Tensor):
+        if self.mapped and not self.swapped and isinstance(value, torch.Tensor):
             release_pages(value, self.path)
 
 
