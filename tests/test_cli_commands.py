@@ -643,3 +643,31 @@ def test_without_safetensors_and_tqdm(ckpt, tmp_path, monkeypatch, capsys):
     assert _cli("convert", path, tmp_path / "m.safetensors") == 1
     text = "".join(sys.stderr.text)
     assert "needs the 'safetensors' package" in text and "pip install safetensors" in text, text
+
+
+def test_dcp_to_torch_save_with_tensors_inside_values(tmp_path):
+    """A non-tensor value holding tensors (a tuple) converts
+    to a .pt file that torch.load(weights_only=True) reads, its tensors as
+    records of their own (the default pickling went through
+    torch.storage._load_from_bytes, which weights_only refuses: convert
+    failed its own final check)."""
+    gen = torch.Generator().manual_seed(8)
+    inner = torch.randn(3, 4, generator=gen)
+    state = {"w": torch.randn(5, generator=gen),
+             "pair": (inner.t(), "x"),
+             "nested": [{"m": torch.arange(6, dtype=torch.int16).view(2, 3)},
+                        torch.empty(0, 2)],
+             "scalar": (torch.tensor(2.5), torch.tensor([True, False]))}
+    dcpx.save(state, checkpoint_id=tmp_path / "c")
+    out = tmp_path / "m.pt"
+    assert _cli("convert", tmp_path / "c", out) == 0
+    got = torch.load(out, weights_only=True)
+    assert_bit_equal(got["w"], state["w"])
+    assert_bit_equal(got["pair"][0], inner.t()) and got["pair"][1] == "x"
+    # the list is flattened by DCP: its tensors are tensors of the checkpoint
+    assert_bit_equal(got["nested.0.m"], state["nested"][0]["m"])
+    assert_bit_equal(got["nested.1"], state["nested"][1])
+    assert_bit_equal(got["scalar"][0], state["scalar"][0])
+    assert_bit_equal(got["scalar"][1], state["scalar"][1])
+    with zipfile.ZipFile(out) as z:
+        assert z.testzip() is None

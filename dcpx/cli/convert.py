@@ -222,11 +222,22 @@ def to_safetensors(src: Source, dst: Path, max_shard: Optional[int], bar_on: boo
 # -- torch.save -----------------------------------------------------------
 
 class _TensorRef:
-    """Stands for a tensor in data.pkl; pickles as torch.save pickles it."""
-    __slots__ = ("key", "dtype", "shape")
+    """Stands for a tensor in data.pkl; pickles as torch.save pickles it.
+    ``mem``: the tensor itself, for one held inside a non-tensor value (a
+    tuple holding a tensor); None for the source's tensors, read when their
+    record is written."""
+    __slots__ = ("key", "dtype", "shape", "mem")
 
-    def __init__(self, key: str, dtype: torch.dtype, shape: tuple):
-        self.key, self.dtype, self.shape = key, dtype, shape
+    def __init__(self, key: str, dtype: torch.dtype, shape: tuple,
+                 mem: Optional[torch.Tensor] = None):
+        self.key, self.dtype, self.shape, self.mem = key, dtype, shape, mem
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
 
 
 class _StorageRef:
@@ -256,6 +267,15 @@ class _Pickler(pickle.Pickler):
         self._legacy = torch.storage._dtype_to_storage_type_map()
 
     def reducer_override(self, obj):
+        if type(obj) in (torch.Tensor, torch.nn.Parameter):
+            # a tensor inside a non-tensor value: a record of its own, as
+            # torch.save writes it (pickle's default would embed its bytes
+            # through torch.storage._load_from_bytes, which
+            # torch.load(weights_only=True) refuses)
+            if obj.layout != torch.strided or obj.is_quantized or obj.device.type != "cpu":
+                return NotImplemented
+            t = obj.detach().resolve_conj().resolve_neg().contiguous()
+            obj = _TensorRef(None, t.dtype, tuple(t.shape), t)
         if not isinstance(obj, _TensorRef):
             return NotImplemented
         key = str(len(self.order))
@@ -329,7 +349,7 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
     p.dump(obj)
     order = p.order
     data = buf.getvalue()
-    total = sum(entries[r.key].nbytes for r in order)
+    total = sum(r.nbytes if r.mem is not None else entries[r.key].nbytes for r in order)
     align = str(getattr(torch.serialization, "_get_storage_alignment", lambda: 64)())
     tmp = _tmp(dst)
     try:
@@ -342,6 +362,10 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
                 w.write_record(".storage_alignment", align, len(align))
                 w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
                 for i, ref in enumerate(order):
+                    if ref.mem is not None:   # a tensor inside a value
+                        w.write_record(f"data/{i}", ref.mem.data_ptr(), ref.nbytes)
+                        bar.update(ref.nbytes)
+                        continue
                     e = entries[ref.key]
                     t = _dense(_check(e.key, src.read(e.key), e))
                     # This tensor's bytes only, from its own memory (a view
@@ -369,7 +393,8 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
     except BaseException:
         _unlink(tmp)
         raise
-    return f"{len(order)} tensors, {len(obj) - len(order)} other values ({human(total)}) -> {dst}"
+    n = sum(r.mem is None for r in order)
+    return f"{n} tensors, {len(obj) - n} other values ({human(total)}) -> {dst}"
 
 
 # -- DCP --------------------------------------------------------------------
