@@ -1,0 +1,123 @@
+"""The tools around a checkpoint (convert, diff, the manager's retention,
+``dcpx ls``) and load hold the same line as load on odd or hostile input
+(issue 21): overlapping or non-covering chunks, torch.save records shorter
+than their pickle claims, hostile Hugging Face folders, non-step entries in
+a manager's root, integer tolerances."""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as tdcp
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+import dcpx
+from dcpx import _chunks
+from dcpx._metadata import METADATA_FN
+from dcpx.cli import main
+from dcpx.errors import CorruptCheckpointError
+
+
+def _cli(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+# -- 2. overlapping / non-covering chunks -----------------------------------------
+
+def _chunked(path: Path, pieces: list, size: tuple, first: str = "") -> None:
+    """A DCP checkpoint at ``path`` whose key "w" of ``size`` is saved as the
+    chunks ``pieces`` ((offset, value, file)), each a 1-D run of ``value``
+    in its own data file (file 0 or 1); with ``first``, a key of that name
+    saved in file 1 comes before "w" in the state dict."""
+    path.mkdir()
+    storage, chunks, sdm = {}, [], {}
+    for n, (off, value, fidx) in enumerate(pieces):
+        one = path.parent / f"_piece{n}"
+        dcpx.save({"p": torch.full((4,), float(value))}, checkpoint_id=one)
+        md = pickle.loads((one / METADATA_FN).read_bytes())
+        (info,) = md.storage_data.values()
+        name = f"__{fidx}_{n}.distcp"
+        shutil.copy(one / info.relative_path, path / name)
+        shutil.rmtree(one)
+        info.relative_path = name
+        ch = ChunkStorageMetadata(offsets=torch.Size([off]), sizes=torch.Size([4]))
+        chunks.append(ch)
+        storage[MetadataIndex("w", ch.offsets)] = info
+        if first and fidx == 1 and first not in sdm:
+            sdm[first] = TensorStorageMetadata(md.state_dict_metadata["p"].properties,
+                                               torch.Size([4]), [ChunkStorageMetadata(
+                                                   torch.Size([0]), torch.Size([4]))])
+            storage[MetadataIndex(first, torch.Size([0]))] = info
+    props = TensorStorageMetadata(md.state_dict_metadata["p"].properties, torch.Size(size), [])
+    sdm["w"] = TensorStorageMetadata(props.properties, torch.Size(size), chunks)
+    (path / METADATA_FN).write_bytes(pickle.dumps(Metadata(state_dict_metadata=sdm,
+                                                           storage_data=storage)))
+
+
+def test_tiling_finds_overlaps_and_gaps():
+    B = _chunks.Box
+    assert _chunks.tiling_problem((8,), [B((0,), (4,)), B((4,), (4,))]) is None
+    grid = [B((r, c), (2, 2)) for r in (0, 2) for c in (0, 2)]
+    assert _chunks.tiling_problem((4, 4), grid) is None
+    t = _chunks.tiling((8,), [B((0,), (4,)), B((2,), (4,))])   # same count, overlap + gap
+    assert "overlap" in t.overlap and "(6,)" in t.gap
+    assert "overlap" in _chunks.tiling_problem((4, 4), grid + [B((1, 1), (2, 2))])
+    assert "(2, 2)" in _chunks.tiling_problem((4, 4), grid[:3])
+    # a staggered layout (blocks of several grid cells)
+    stag = [B((0, 0), (2, 3)), B((0, 3), (2, 1)), B((2, 0), (2, 1)), B((2, 1), (2, 3))]
+    assert _chunks.tiling_problem((4, 4), stag) is None
+    assert "overlap" in _chunks.tiling_problem((4, 4), stag[:3] + [B((1, 1), (3, 3))])
+    assert "outside" in _chunks.tiling_problem((4,), [B((2,), (4,))])
+    assert "overlap" in _chunks.tiling_problem((), [B((), ()), B((), ())])
+
+
+def test_convert_and_diff_refuse_overlap_with_a_gap(tmp_path, capsys):
+    """Chunks [0,4) and [2,6) of an 8-element tensor: as many elements as the
+    tensor holds, but two overlap and [6,8) is held by none.  On main,
+    convert wrote the uninitialised [6,8) and ``diff A A --values`` found a
+    difference with itself."""
+    ck = tmp_path / "ck"
+    _chunked(ck, [(0, 1, 0), (2, 2, 0)], (8,))
+    assert _cli("convert", ck, tmp_path / "out.pt") == 1
+    err = capsys.readouterr().err
+    assert "'w'" in err and "overlap" in err
+    assert not (tmp_path / "out.pt").exists()
+    assert _cli("diff", ck, ck, "--values") == 1
+    assert "'w'" in capsys.readouterr().err
+    with pytest.raises(CorruptCheckpointError, match="'w'.*overlap"):
+        dcpx.FileSystemReader(ck).read_key("w", dcpx.FileSystemReader(ck).read_metadata())
+
+
+def test_load_refuses_a_gap_hidden_by_an_overlap(tmp_path):
+    ck = tmp_path / "ck"
+    _chunked(ck, [(0, 1, 0), (2, 2, 0)], (8,))
+    with pytest.raises(CorruptCheckpointError, match="'w'.*cover"):
+        dcpx.load({"w": torch.zeros(8)}, checkpoint_id=ck)
+
+
+@pytest.mark.parametrize("pieces,first", [
+    ([(2, 2, 0), (0, 1, 0)], ""),          # metadata order is not torch's order
+    ([(0, 1, 0), (2, 2, 1)], ""),          # two files
+    ([(0, 1, 0), (2, 2, 1)], "x"),         # file 1 first seen in an earlier key
+    ([(2, 2, 1), (0, 1, 0), (1, 3, 1)], "x"),
+])
+def test_load_applies_overlapping_chunks_in_torchs_order(tmp_path, pieces, first):
+    ck = tmp_path / "ck"
+    _chunked(ck, pieces, (6,), first)
+    def sd():
+        out = {first: torch.zeros(4)} if first else {}
+        out["w"] = torch.zeros(6)
+        return out
+    want, got = sd(), sd()
+    tdcp.load(want, checkpoint_id=str(ck))
+    dcpx.load(got, checkpoint_id=ck)
+    assert got["w"].tolist() == want["w"].tolist()
