@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,33 @@ def test_load_applies_overlapping_chunks_in_torchs_order(tmp_path, pieces, first
     tdcp.load(want, checkpoint_id=str(ck))
     dcpx.load(got, checkpoint_id=ck)
     assert got["w"].tolist() == want["w"].tolist()
+
+
+# -- 3. torch.save records shorter than their pickle claims ---------------------
+
+def _short_record(src: Path, dst: Path, record: str, keep: int) -> None:
+    """``src`` (a torch.save zip) rewritten with ``record`` cut to ``keep``
+    bytes, every other record as it was (stored, as torch writes them)."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("/" + record):
+                data = data[:keep]
+            zout.writestr(info.filename, data)
+
+
+def test_convert_refuses_a_record_shorter_than_its_pickle_claims(tmp_path, capsys):
+    src = tmp_path / "ok.pt"
+    torch.save({"a": torch.arange(64, dtype=torch.float32), "b": torch.ones(64)}, src)
+    bad = tmp_path / "bad.pt"
+    _short_record(src, bad, "data/0", 16)
+    with pytest.raises(Exception):
+        torch.load(bad, weights_only=True)           # plain torch.load refuses it
+    assert _cli("convert", bad, tmp_path / "out.safetensors") == 1
+    err = capsys.readouterr().err
+    assert "data/0" in err and "16 bytes" in err and "256" in err
+    assert not (tmp_path / "out.safetensors").exists()
+    # the same file with its record whole converts
+    good = tmp_path / "good.pt"
+    _short_record(src, good, "data/0", 1 << 20)
+    assert _cli("convert", good, tmp_path / "out.safetensors") == 0

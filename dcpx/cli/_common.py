@@ -13,10 +13,13 @@ CRC checked.
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import mmap
 import os
+import pickle
 import sys
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator, NamedTuple, Optional
@@ -221,6 +224,8 @@ class TorchSource(Source):
     def __init__(self, path: Path):
         self.path = Path(path)
         self.mapped = True
+        if zipfile.is_zipfile(self.path):
+            check_torch_records(self.path)
         try:
             obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
@@ -258,6 +263,87 @@ class TorchSource(Source):
     def release(self, key: str, value: Any) -> None:
         if self.mapped and isinstance(value, torch.Tensor):
             release_pages(value, self.path)
+
+
+class _Global:
+    """What a GLOBAL of ``data.pkl`` stands for in ``_storage_claims``:
+    nothing is imported or called."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Global":
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _ClaimsUnpickler(pickle.Unpickler):
+    def __init__(self, f: Any) -> None:
+        super().__init__(f)
+        self.claims: dict[str, tuple[str, int]] = {}   # key -> (storage type, numel)
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _Global(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] in ("storage", b"storage")
+                and isinstance(pid[1], _Global)):
+            key = pid[2].decode() if isinstance(pid[2], bytes) else str(pid[2])
+            numel = pid[4] if isinstance(pid[4], int) else -1
+            prev = self.claims.get(key)
+            if prev is None or prev[1] < numel:
+                self.claims[key] = (pid[1].name, numel)
+        return _Global("", "")
+
+
+def _storage_itemsize(name: str) -> Optional[int]:
+    if name == "UntypedStorage":
+        return 1
+    for dtype, sname in torch.storage._dtype_to_storage_type_map().items():
+        if sname == name:
+            return dtype.itemsize
+    return None
+
+
+def check_torch_records(path: Path) -> None:
+    """Every storage the ``data.pkl`` of the ``torch.save`` archive ``path``
+    names fits in its ``data/<key>`` record.  ``torch.load(mmap=True)``
+    takes each storage's bytes from the mapped file at its record's offset
+    without checking its size: a record shorter than its pickle claims
+    would hand out the next record's bytes (or the zip directory).  The
+    pickle is read with every global replaced by an inert stand-in (nothing
+    imported or run)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if len(pkl) != 1:
+                return  # not torch's layout: torch.load says what is wrong
+            prefix = pkl[0].filename[:-len("data.pkl")]
+            sizes = {i.filename[len(prefix):]: i.file_size for i in infos
+                     if i.filename.startswith(prefix)}
+            u = _ClaimsUnpickler(io.BytesIO(z.read(pkl[0])))
+            try:
+                u.load()
+            except Exception:
+                return  # torch.load reports a pickle it cannot read
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return
+    for key, (stype, numel) in u.claims.items():
+        itemsize = _storage_itemsize(stype)
+        if itemsize is None or numel < 0:
+            continue
+        need = numel * itemsize
+        have = sizes.get(f"data/{key}")
+        if have is None:
+            raise CliError(f"{path}: its pickle names the storage data/{key}, which the "
+                           f"archive does not hold (damaged or crafted file)")
+        if need > have:
+            raise CliError(f"{path}: storage data/{key} is {have} bytes, its pickle says "
+                           f"{need} ({numel} x {stype}): refused (a truncated or crafted "
+                           f"record; torch.load(mmap=True) would read past it)")
 
 
 class SafetensorsSource(Source):
