@@ -5,6 +5,7 @@ than their pickle claims, hostile Hugging Face folders, non-step entries in
 a manager's root, integer tolerances."""
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -152,3 +153,57 @@ def test_convert_refuses_a_record_shorter_than_its_pickle_claims(tmp_path, capsy
     good = tmp_path / "good.pt"
     _short_record(src, good, "data/0", 1 << 20)
     assert _cli("convert", good, tmp_path / "out.safetensors") == 0
+
+
+# -- 4. hostile Hugging Face folders ------------------------------------------
+
+def _hf_folder(tmp_path: Path, weight_map) -> Path:
+    st = pytest.importorskip("safetensors.torch")
+    d = tmp_path / "hf"
+    d.mkdir()
+    st.save_file({"w": torch.ones(4)}, str(d / "model-00001-of-00001.safetensors"))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "ABS"])
+def test_convert_refuses_shards_outside_the_folder(tmp_path, capsys, where):
+    st = pytest.importorskip("safetensors.torch")
+    outside = tmp_path / "outside.safetensors"
+    st.save_file({"secret": torch.ones(2)}, str(outside))
+    name = str(outside) if where == "ABS" else where
+    d = _hf_folder(tmp_path, {"w": "model-00001-of-00001.safetensors", "secret": name})
+    assert _cli("convert", d, tmp_path / "out") == 1
+    err = capsys.readouterr().err
+    assert "outside its folder" in err and repr(name) in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_a_fifo_shard_without_hanging(tmp_path, capsys):
+    d = _hf_folder(tmp_path, {"w": "model-00001-of-00001.safetensors", "v": "pipe.safetensors"})
+    os.mkfifo(d / "pipe.safetensors")
+    assert _cli("convert", d, tmp_path / "out") == 1      # on main: blocks for ever
+    assert "a FIFO" in capsys.readouterr().err
+    os.mkfifo(tmp_path / "lone.safetensors")
+    assert _cli("convert", tmp_path / "lone.safetensors", tmp_path / "out2") == 1
+    assert "a FIFO" in capsys.readouterr().err
+
+
+def test_convert_list_valued_weight_map_is_a_clear_error(tmp_path, capsys):
+    d = _hf_folder(tmp_path, {"w": ["model-00001-of-00001.safetensors"]})
+    assert _cli("convert", d, tmp_path / "out") == 1
+    assert "weight_map['w'] is a list" in capsys.readouterr().err
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["x"]}))
+    assert _cli("convert", d, tmp_path / "out") == 1
+    assert "weight_map is a list" in capsys.readouterr().err
+
+
+def test_convert_refuses_a_tensor_named_metadata_for_safetensors(tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    src = tmp_path / "m.pt"
+    torch.save({"__metadata__": torch.ones(2), "w": torch.ones(2)}, src)
+    assert _cli("convert", src, tmp_path / "out.safetensors") == 1
+    assert "'__metadata__'" in capsys.readouterr().err
+    assert not (tmp_path / "out.safetensors").exists()
+    assert _cli("convert", src, tmp_path / "out_dcp") == 0    # DCP holds any key

@@ -18,6 +18,7 @@ import json
 import mmap
 import os
 import pickle
+import stat
 import sys
 import zipfile
 from collections.abc import Mapping
@@ -374,6 +375,7 @@ class SafetensorsSource(Source):
         self._file: dict[str, Path] = {}
         self.metadata: dict[str, str] = {}
         for f in files:
+            regular_file(f, "safetensors shard ")
             try:
                 h = safe_open(str(f), framework="pt")
             except Exception as e:
@@ -387,16 +389,21 @@ class SafetensorsSource(Source):
                 self._file[k] = f
 
     def _shards(self, index: Path) -> list[Path]:
+        regular_file(index, "safetensors index ")
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except Exception as e:
             raise CliError(f"{index}: not a safetensors index (no weight_map): {e}") from e
+        if not isinstance(weight_map, dict):
+            raise CliError(f"{index}: its weight_map is a {type(weight_map).__name__}, not "
+                           f"an object of tensor name -> shard file")
+        for key, name in weight_map.items():
+            if not isinstance(name, str):
+                raise CliError(f"{index}: weight_map[{key!r}] is a {type(name).__name__} "
+                               f"({str(name)[:80]}), not the name of a shard file")
         files = []
         for name in dict.fromkeys(weight_map.values()):
-            f = index.parent / name
-            if not f.exists():
-                raise CliError(f"{index}: names the shard {name}, which does not exist")
-            files.append(f)
+            files.append(shard_path(index, name))
         return files
 
     def entries(self) -> dict[str, Entry]:
@@ -418,6 +425,37 @@ class SafetensorsSource(Source):
         release_pages(value, self._file[key])
 
 
+def shard_path(index: Path, name: str) -> Path:
+    """The shard ``name`` that the index file ``index`` names: a path
+    relative to the index's folder and inside it (no absolute path, no
+    '..'), naming an existing file.  Links are followed, as Hugging Face's
+    cache folders are links into its blob store."""
+    p = Path(name)
+    if (not name or "\0" in name or p.is_absolute() or ".." in p.parts
+            or p.drive or "\\" in name):
+        raise CliError(f"{index}: names the shard {name!r}, outside its folder (refused)")
+    f = index.parent / p
+    if not f.exists():
+        raise CliError(f"{index}: names the shard {name}, which does not exist")
+    return f
+
+
+def regular_file(path: Path, what: str = "") -> None:
+    """Refuse ``path`` (links followed) unless it is a regular file: a FIFO
+    would block the read for ever, a device would read without end."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise CliError(f"{path}: cannot read {what.strip() or 'it'}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise CliError(f"{path}: {what}is {_KIND.get(stat.S_IFMT(mode), 'not a regular file')}, "
+                       f"not a regular file (refused)")
+
+
+_KIND = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+         stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory"}
+
+
 def _safetensors_dtype(name: str, key: str) -> torch.dtype:
     from safetensors.torch import _TYPES
     if name not in _TYPES:
@@ -437,6 +475,7 @@ def detect(path: Path) -> str:
     if path.name.endswith((".safetensors", ".index.json")):
         return "safetensors"
     if path.exists():
+        regular_file(path)
         with open(path, "rb") as f:
             head = f.read(9)
         if len(head) >= 9 and head[8:9] == b"{":
