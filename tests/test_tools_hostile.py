@@ -207,3 +207,54 @@ def test_convert_refuses_a_tensor_named_metadata_for_safetensors(tmp_path, capsy
     assert "'__metadata__'" in capsys.readouterr().err
     assert not (tmp_path / "out.safetensors").exists()
     assert _cli("convert", src, tmp_path / "out_dcp") == 0    # DCP holds any key
+
+
+# -- 5. / 7. what a step is: retention and dcpx ls ----------------------------
+
+def test_retention_ignores_non_folders_named_like_steps(tmp_path):
+    """A file, a FIFO and a link loop named like steps: on main each pass
+    warned (RuntimeWarning) and deleted nothing, so the disk filled."""
+    import warnings
+    (tmp_path / "step-1").write_text("not a step")
+    os.mkfifo(tmp_path / "step-2")
+    os.symlink("step-3", tmp_path / "step-3")                  # a link loop
+    sd = {"w": torch.ones(4)}
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with dcpx.CheckpointManager(tmp_path, keep_latest_k=1, async_mode="sync") as m:
+            for step in (10, 11, 12, 13):
+                m.save(step, sd)
+                m.wait_for_retention()
+            assert m.all_steps() == [13]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-13", "step-2", "step-3"]
+    msgs = [str(w.message) for w in got if issubclass(w.category, RuntimeWarning)]
+    assert not [x for x in msgs if "retention" in x and "failed" in x]
+    for name in ("step-1", "step-2", "step-3"):                # said once each
+        assert sum(name in x and "not a folder" in x for x in msgs) == 1, msgs
+
+
+def test_ls_and_manager_agree_on_a_symlinked_step(tmp_path, capsys):
+    root, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    root.mkdir()
+    dcpx.save({"w": torch.ones(4)}, checkpoint_id=elsewhere / "step-7")
+    os.symlink(elsewhere / "step-7", root / "step-7")
+    (root / "step-8").write_text("")                           # not a step
+    m = dcpx.CheckpointManager(root, async_mode="sync")
+    assert m.all_steps() == [7]
+    assert _cli("ls", root, "--json") == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["step"] for r in rows] == [7]                    # on main: []
+    m.close()
+
+
+def test_retention_deletes_a_symlinked_step_as_a_link(tmp_path):
+    root, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    root.mkdir()
+    dcpx.save({"w": torch.ones(4)}, checkpoint_id=elsewhere / "step-1")
+    os.symlink(elsewhere / "step-1", root / "step-1")
+    with dcpx.CheckpointManager(root, keep_latest_k=1, async_mode="sync") as m:
+        m.save(2, {"w": torch.ones(4)})
+        m.wait_for_retention()
+        assert m.all_steps() == [2]
+    assert sorted(p.name for p in root.iterdir()) == ["step-2"]   # no .deleting- leftover
+    assert (elsewhere / "step-1" / METADATA_FN).exists()          # the link's target stays
