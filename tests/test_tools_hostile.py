@@ -258,3 +258,20 @@ def test_retention_deletes_a_symlinked_step_as_a_link(tmp_path):
         assert m.all_steps() == [2]
     assert sorted(p.name for p in root.iterdir()) == ["step-2"]   # no .deleting- leftover
     assert (elsewhere / "step-1" / METADATA_FN).exists()          # the link's target stays
+
+
+# -- 7. diff tolerances on 64-bit integers --------------------------------------
+
+@pytest.mark.parametrize("dtype,x,y", [
+    (torch.int64, 2**53 + 1, 2**53),
+    (torch.int64, -(2**63), -(2**63) + 1),
+    (torch.uint64, 2**64 - 1, 2**64 - 2),
+])
+def test_diff_tolerance_compares_64_bit_integers_exactly(tmp_path, capsys, dtype, x, y):
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({"n": torch.tensor([x, 5], dtype=dtype)}, a)
+    torch.save({"n": torch.tensor([y, 5], dtype=dtype)}, b)
+    assert _cli("diff", a, b, "--atol", "0.5") == 1      # on main: 0 (equal in float64)
+    assert "1 of 2 elements outside" in capsys.readouterr().out
+    assert _cli("diff", a, b, "--atol", "1") == 0
+    assert _cli("diff", a, b, "--rtol", "1e-30") == 1
