@@ -25,7 +25,7 @@ import torch
 
 
 def _box(ch) -> tuple[tuple, tuple]:
-    return tuple(int(o) for o in ch.offsets), tuple(int(n) for n in ch.sizes)
+    return tuple(map(int, ch.offsets)), tuple(map(int, ch.sizes))
 
 
 class Box(NamedTuple):
@@ -67,6 +67,20 @@ def tiling(size: Sequence[int], chunks: Sequence) -> Tiling:
         return Tiling(None, None, None)
     if not boxes:
         return Tiling(None, None, f"no chunk holds any of its {numel} elements")
+    if nd == 1:  # intervals: sorted, each must start where the last ended
+        spans1 = sorted((off[0], off[0] + sz[0], i) for i, off, sz in boxes)
+        overlap = gap = None
+        end, last = 0, -1
+        for lo, hi, i in spans1:
+            if lo < end and overlap is None:
+                overlap = _overlap(all_boxes, last, i)
+            elif lo > end and gap is None:
+                gap = _gap_at([[end]], (0,))
+            if hi > end:
+                end, last = hi, i
+        if end < size[0] and gap is None:
+            gap = _gap_at([[end]], (0,))
+        return Tiling(None, overlap, gap)
     # The grid of the chunks' boundaries along every dimension: each chunk
     # is a block of its cells, and each cell holds at least one element.
     cuts = []

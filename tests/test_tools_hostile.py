@@ -82,6 +82,23 @@ def test_tiling_finds_overlaps_and_gaps():
     assert "overlap" in _chunks.tiling_problem((), [B((), ()), B((), ())])
 
 
+@pytest.mark.parametrize("shape", [(10,), (5, 6), (3, 4, 2)])
+def test_tiling_agrees_with_counting_every_element(shape):
+    import random
+    rng = random.Random(21)
+    for _ in range(400):
+        boxes = []
+        for _ in range(rng.randint(1, 6)):
+            off = tuple(rng.randint(0, s - 1) for s in shape)
+            boxes.append(_chunks.Box(off, tuple(rng.randint(0, s - o) for o, s in zip(off, shape))))
+        count = torch.zeros(shape, dtype=torch.int64)
+        for b in boxes:
+            count[tuple(slice(o, o + n) for o, n in zip(b.offsets, b.sizes))] += 1
+        t = _chunks.tiling(shape, boxes)
+        assert (t.overlap is not None) == bool((count > 1).any()), boxes
+        assert (t.gap is not None) == bool((count == 0).any()), boxes
+
+
 def test_convert_and_diff_refuse_overlap_with_a_gap(tmp_path, capsys):
     """Chunks [0,4) and [2,6) of an 8-element tensor: as many elements as the
     tensor holds, but two overlap and [6,8) is held by none.  On main,
