@@ -292,3 +292,19 @@ def test_diff_tolerance_compares_64_bit_integers_exactly(tmp_path, capsys, dtype
     assert "1 of 2 elements outside" in capsys.readouterr().out
     assert _cli("diff", a, b, "--atol", "1") == 0
     assert _cli("diff", a, b, "--rtol", "1e-30") == 1
+
+
+# -- 1. the many-chunks shape of the fuzzer -------------------------------------
+
+def test_many_chunks_shapes_decode_alike_both_ways():
+    """fuzz/many_chunks.py's layouts (a few seeds, small counts, not timed):
+    the C index accepts only what the general path accepts."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fuzz"))
+    import many_chunks
+    for layout in range(len(many_chunks.LAYOUTS)):
+        for seed in range(4):
+            data = bytes([200 + seed, 7, 0, seed, layout, seed, seed, 1])
+            raw, n = many_chunks.build(data, max_chunks=3000)
+            assert n > 100
+            many_chunks.check(raw, n, timed=False)
