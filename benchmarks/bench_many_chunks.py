@@ -15,7 +15,8 @@ the decoding).
 Prints, per N: dcpx's metadata decode (``dcpx._metadata.loads``, what a load
 runs; and the C index ``_metadata.index`` when it takes the file), torch's
 ``pickle.loads``, and with ``--load`` a whole ``dcpx.load`` (decode, checks,
-read planning, reads); medians of ``--repeat``.  (torch's ``dcp.load`` of
+read planning, reads); medians of ``--repeat``, in CPU seconds of the
+process (``time.process_time``: the machine this was measured on is shared).  (torch's ``dcp.load`` of
 this file is not timed: it ``torch.load``s the one shared record once per
 chunk, 87 s at 20,000 chunks here, which measures nothing about decoding.)
 """
@@ -64,12 +65,14 @@ def make(path: Path, n: int) -> None:
 
 
 def timed(fn, repeat: int) -> float:
+    """Median CPU seconds of this process (all its threads) per call: on a
+    shared, loaded machine the wall time says more about the neighbours."""
     times = []
     for _ in range(repeat):
         gc.collect()
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return statistics.median(times)
 
 
