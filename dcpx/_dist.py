@@ -897,8 +897,8 @@ def plan_reads(reader: FileSystemReader, metadata: Metadata, flat: dict,
                 full = tuple(whole) == tuple(ch.sizes)
                 mine.append(_TensorRead(fqn, info, ch.sizes, md.properties.dtype, view,
                                         None if full else (tuple(inner), tuple(whole))))
-                boxes.append(_chunks.Box(tuple(max(o, co) - o for o, co in zip(offsets, ch.offsets)),
-                                         tuple(whole)))
+                start = tuple(max(o, co) - o for o, co in zip(offsets, ch.offsets))
+                boxes.append(_chunks.Box(start, tuple(whole)))
                 chunks.append(ch)
                 covered += vol
         if covered < volume:
