@@ -879,13 +879,18 @@ static int same_offset(const dcpx_mdindex *ix, const mstore *a, const mstore *b)
                                        sizeof(int64_t) * (size_t)a->off_ndim) == 0);
 }
 
-/* Add storage entry k (of a key not in the state dict) to the set `seen`
- * (size slots, a power of two, -1 when free); -1 if its (fqn, offset) is
- * there already. */
+/* Add storage entry k to the set `seen` (size slots, a power of two, -1
+ * when free); -1 if its (fqn, offset) is there already.  The hash covers
+ * the offset too: the many chunks of one key (issue 21: 160,000 of them)
+ * do not share one probe chain. */
 static int seen_insert(const dcpx_mdindex *ix, Py_ssize_t *seen, size_t size, Py_ssize_t k)
 {
     const mstore *se = &ix->st[k];
     uint64_t h = hash_bytes(ix->p + se->fqn_off, se->fqn_len, 0xcbf29ce484222325ULL);
+    h ^= (uint64_t)(int64_t)se->off_ndim * 0x9e3779b97f4a7c15ULL;
+    if (se->off_ndim > 0)
+        h = hash_bytes((const char *)(ix->dims + se->off_at),
+                       sizeof(int64_t) * (size_t)se->off_ndim, h);
     size_t b = (size_t)h & (size - 1);
     for (; seen[b] >= 0; b = (b + 1) & (size - 1)) {
         const mstore *o = &ix->st[seen[b]];
@@ -1029,26 +1034,22 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
                                    ix->e[ns].fqn_len == se->fqn_len
                                ? ns
                                : find_entry(ix, ix->p + se->fqn_off, se->fqn_len);
-            /* a repeated (fqn, offset) key: leave it to Python */
+            /* a repeated (fqn, offset) key: leave it to Python (one hash
+             * set over every entry: a scan of the key's earlier entries
+             * was quadratic in its chunks) */
+            if (seen == NULL) {
+                if ((seen = malloc(ssize * sizeof(Py_ssize_t))) == NULL) {
+                    rc = -2;
+                    break;
+                }
+                memset(seen, 0xff, ssize * sizeof(Py_ssize_t));
+            }
+            if ((rc = seen_insert(ix, seen, ssize, ns)) < 0)
+                break;
             if (e >= 0) {
-                for (Py_ssize_t o = ix->e[e].st_head; rc == 0 && o >= 0; o = ix->st[o].st_next)
-                    if (same_offset(ix, &ix->st[o], se))
-                        rc = -1;
                 se->st_next = ix->e[e].st_head;
                 ix->e[e].st_head = ns;
             }
-            else {
-                if (seen == NULL) {
-                    if ((seen = malloc(ssize * sizeof(Py_ssize_t))) == NULL) {
-                        rc = -2;
-                        break;
-                    }
-                    memset(seen, 0xff, ssize * sizeof(Py_ssize_t));
-                }
-                rc = seen_insert(ix, seen, ssize, ns);
-            }
-            if (rc < 0)
-                break;
             /* whole_chunks: the entry whose offset is its chunk's (all
              * zeros; not None, even for a 0-d tensor: torch and plan_reads
              * look the chunk up by its offsets, torch.Size([]), which an

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _metadata, _readplan
+from . import _chunks, _metadata, _readplan
 from ._files import DCP_VERSION
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
@@ -833,12 +833,19 @@ def _candidates(md: TensorStorageMetadata, cache: dict, fqn: str, offsets, sizes
 
 
 def plan_reads(reader: FileSystemReader, metadata: Metadata, flat: dict,
-               allow_partial_load: bool) -> tuple[list, list]:
-    """(tensor reads, bytes keys) that fill this rank's part of ``flat``."""
+               allow_partial_load: bool, serial: Optional[list] = None) -> tuple[list, list]:
+    """(tensor reads, bytes keys) that fill this rank's part of ``flat``.
+
+    Saved chunks that overlap (torch accepts them: its load copies each in
+    turn, the last copy wins) are read in torch's order: the reads of such a
+    key go to ``serial`` (to be read one after the other, in that order), or
+    at the end of the reads when ``serial`` is None.  Elements that no chunk
+    holds are an error, naming the key."""
     sdm = metadata.state_dict_metadata
     storage = {(k.fqn, None if k.offset is None else tuple(k.offset)): v
                for k, v in metadata.storage_data.items()}
     reads, byte_keys, cache = [], [], {}
+    overlapped: dict = {}  # fqn -> (its reads, their chunks, its region)
     for fqn, obj in flat.items():
         md = sdm.get(fqn)
         if md is None:
@@ -870,6 +877,7 @@ def plan_reads(reader: FileSystemReader, metadata: Metadata, flat: dict,
         if volume == 0 and len(sizes) > 0:
             continue
         covered = 0
+        mine, boxes, chunks = [], [], []
         for ch in _candidates(md, cache, fqn, offsets, sizes):
             view, inner, whole, vol = target, [], [], 1
             for dim, (o, n, co, cn) in enumerate(zip(offsets, sizes, ch.offsets, ch.sizes)):
@@ -888,15 +896,78 @@ def plan_reads(reader: FileSystemReader, metadata: Metadata, flat: dict,
                         f"{reader.path}: metadata lists {fqn!r} but has no storage entry "
                         f"for it at offset {tuple(ch.offsets)}")
                 full = tuple(whole) == tuple(ch.sizes)
-                reads.append(_TensorRead(fqn, info, ch.sizes, md.properties.dtype, view,
-                                         None if full else (tuple(inner), tuple(whole))))
+                mine.append(_TensorRead(fqn, info, ch.sizes, md.properties.dtype, view,
+                                        None if full else (tuple(inner), tuple(whole))))
+                start = tuple(max(o, co) - o for o, co in zip(offsets, ch.offsets))
+                boxes.append(_chunks.Box(start, tuple(whole)))
+                chunks.append(ch)
                 covered += vol
         if covered < volume:
             raise CorruptCheckpointError(
                 f"{reader.path}: the saved chunks of {fqn!r} cover {covered} of the "
                 f"{volume} elements this rank needs (offsets {tuple(offsets)}, "
                 f"sizes {tuple(sizes)})")
+        tiling = _chunks.tiling(sizes, boxes) if len(mine) > 1 else None
+        if tiling is not None and tiling.gap:
+            raise CorruptCheckpointError(
+                f"{reader.path}: the saved chunks of {fqn!r} do not cover the region this "
+                f"rank needs (offsets {tuple(offsets)}, sizes {tuple(sizes)}): {tiling.gap}")
+        if tiling is not None and tiling.overlap:
+            overlapped[fqn] = (mine, chunks, (tuple(offsets), tuple(sizes)))
+        else:
+            reads.extend(mine)
+    if overlapped:
+        ordered = _torch_ordered(sdm, storage, flat, overlapped)
+        (reads if serial is None else serial).extend(ordered)
     return reads, byte_keys
+
+
+def _torch_ordered(sdm: dict, storage: dict, flat: dict, overlapped: dict) -> list:
+    """The reads of the keys whose saved chunks overlap, in the order torch's
+    load applies them: its read items grouped by data file, the files in
+    the order they first appear in the whole plan (the state dict's keys in
+    order, each key's chunks in ``_chunks.torch_order``), the items of one
+    file in plan order (torch ``FileSystemReader.read_data``)."""
+    rank: dict = {}
+    last = max(list(flat).index(k) for k in overlapped)
+    for fqn in list(flat)[:last + 1]:
+        md = sdm.get(fqn)
+        if md is None:
+            continue
+        if isinstance(md, BytesStorageMetadata):
+            info = storage.get((fqn, None))
+            if info is not None:
+                rank.setdefault(info.relative_path, len(rank))
+            continue
+        if fqn in overlapped:
+            _, chunks, region = overlapped[fqn]
+            where = {id(c): i for i, c in enumerate(md.chunks)}
+            picked = [where[id(c)] for c in chunks]
+        else:
+            if not isinstance(flat[fqn], torch.Tensor):
+                continue
+            _, offsets, sizes = local_chunk(flat[fqn])
+            region = (tuple(offsets), tuple(sizes))
+            picked = [i for i, c in enumerate(md.chunks) if _meets(region, c)]
+        for i in _chunks.torch_order(region, md.chunks, picked):
+            info = storage.get((fqn, tuple(md.chunks[i].offsets)))
+            if info is not None:
+                rank.setdefault(info.relative_path, len(rank))
+    out = []
+    for fqn, (mine, chunks, region) in overlapped.items():
+        md = sdm[fqn]
+        where = {id(c): i for i, c in enumerate(md.chunks)}
+        picked = [where[id(c)] for c in chunks]
+        pos = {i: p for p, i in enumerate(_chunks.torch_order(region, md.chunks, picked))}
+        out.extend(mine[k] for k in sorted(
+            range(len(mine)), key=lambda k: (rank[mine[k].info.relative_path],
+                                             pos[picked[k]])))
+    return out
+
+
+def _meets(region: tuple, ch: Any) -> bool:
+    return all(o < co + cn and co < o + n
+               for o, n, co, cn in zip(region[0], region[1], ch.offsets, ch.sizes))
 
 
 def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
@@ -957,8 +1028,11 @@ def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRea
         # A destination changed (None) or a read failed: plan this load
         # anew, which raises what a load without the cache raises.
         _readplan.drop_plan(ck, key, failed=failures is not None)
-    reads, byte_keys = plan_reads(reader, ck.metadata, flat, allow_partial_load)
+    serial: list = []
+    reads, byte_keys = plan_reads(reader, ck.metadata, flat, allow_partial_load, serial)
     reader.read_tensors(reads)
+    for r in serial:  # overlapping chunks: one at a time, in torch's order
+        reader.read_tensors([r])
     _load_values(flat, mappings, original, reader, ck, byte_keys)
     return False
 

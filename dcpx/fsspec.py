@@ -22,7 +22,11 @@ store):
   checksum verified when dcpx wrote it); the byte ranges the load needs are
   fetched into sparse local files and read by dcpx's C reader, which
   verifies each record's CRC-32; non-tensor values load under the
-  ``weights_only`` allow-list unless ``allow_pickle=True``.
+  ``weights_only`` allow-list unless ``allow_pickle=True``.  In turns of
+  ``_TEMP_BUDGET`` bytes of records, each freed before the next: local
+  space at most twice that (or twice the largest record), memory at most
+  ``_FETCH_BATCH`` of fetched bytes.  A save checks its local staging
+  space (``staging_bytes``) before it writes.
 * **async_save** stages with dcpx's stager (the writer is not its own
   stager).  A ``memory://`` store lives in one process: a writer for it
   refuses to be pickled, so it cannot be sent to a PROCESS checkpoint
@@ -34,7 +38,9 @@ backend, e.g. s3fs) the error names the protocol and what to install.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import shutil
 import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +68,14 @@ __all__ = ["FsspecWriter", "FsspecReader"]
 _MERGE_GAP = 1 << 20
 #: At most this many bytes are held in memory per batch of ranged reads.
 _FETCH_BATCH = 64 << 20
+#: A load reads the plan in turns of at most this many bytes of records
+#: (one record when larger): each turn's ranges are fetched into the sparse
+#: local files, read into their destinations, then freed (fetched bytes,
+#: gaps merged in included, are at most twice a turn's records).
+_TEMP_BUDGET = 256 << 20
+#: A save's local staging space, per data record, on top of its bytes
+#: (the record's zip headers and pickle, alignment).
+_RECORD_OVERHEAD = 4 << 10
 
 
 def url_to_fs(url: Union[str, os.PathLike], options: dict) -> tuple:
@@ -236,6 +250,7 @@ class FsspecWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         with tempfile.TemporaryDirectory(prefix="dcpx-fsspec-") as tmp:
+            _check_staging_space(tmp, plan, self.path)
             local = FileSystemWriter(tmp, self.single_file_per_rank, sync_files=False,
                                      thread_count=self.thread_count)
             results: list[WriteResult] = local.write_data(plan, planner).wait()
@@ -384,13 +399,20 @@ class FsspecReader(StorageReader):
         URL in place of the local directory)."""
         assert self._metadata is not None, "set_up_storage_reader was not called"
         with tempfile.TemporaryDirectory(prefix="dcpx-fsspec-") as tmp:
-            self._fetch(tmp, [self.storage_data[r.storage_index] for r in plan.items])
+            self._sparse_files(tmp)
             local = FileSystemReader(tmp, thread_count=self.thread_count, verify=self.verify,
                                      allow_pickle=self.allow_pickle)
             try:
                 local.set_up_storage_reader(self._metadata, self.is_coordinator,
                                             rank=self.rank, use_collectives=self.use_collectives)
-                local.read_data(plan, planner).wait()
+                # In turns of _TEMP_BUDGET bytes, in the plan's order: the
+                # local space and memory a load needs are bounded, not the
+                # size of what it loads.
+                for items in self._turns(plan.items):
+                    touched = self._fetch(tmp, [self.storage_data[r.storage_index]
+                                                for r in items])
+                    local.read_data(dataclasses.replace(plan, items=items), planner).wait()
+                    self._free(tmp, touched)
             except (CheckpointError, OSError) as e:
                 raise _renamed(e, tmp, self.path.rstrip("/")) from None
         fut: Future = Future()
@@ -431,12 +453,40 @@ class FsspecReader(StorageReader):
             sizes[rel] = int(size)
         return sizes
 
-    def _fetch(self, tmp: str, infos: list) -> None:
-        """Sparse local copies of the referenced files holding the ranges
-        in ``infos`` (merged when close, fetched in bounded batches)."""
+    def _sparse_files(self, tmp: str) -> None:
+        """Every data file as a local sparse file of its size (no space)."""
         for rel, size in self._sizes.items():
             with open(os.path.join(tmp, rel), "wb") as f:
                 f.truncate(size)
+
+    def _free(self, tmp: str, names) -> None:
+        """Give back the space of the ranges fetched into ``names`` (the
+        files stay, sparse, at their sizes)."""
+        for rel in names:
+            p = os.path.join(tmp, rel)
+            os.truncate(p, 0)
+            os.truncate(p, self._sizes[rel])
+
+    def _turns(self, items: list) -> list:
+        """``items`` in order, cut into turns of at most _TEMP_BUDGET bytes
+        of records (a larger record is a turn of its own)."""
+        turns: list = [[]]
+        held = 0
+        for item in items:
+            n = getattr(self.storage_data.get(item.storage_index), "length", 0)
+            n = n if isinstance(n, int) and n > 0 else 0
+            if turns[-1] and held + n > _TEMP_BUDGET:
+                turns.append([])
+                held = 0
+            turns[-1].append(item)
+            held += n
+        return [t for t in turns if t]
+
+    def _fetch(self, tmp: str, infos: list) -> set:
+        """Fetch the ranges in ``infos`` into the sparse local files (merged
+        when the gap is small: at most 1 MiB and at most the next range's
+        size, so that what is fetched is at most twice what is needed; in
+        bounded batches); returns the names of the files written."""
         ranges: dict[str, list] = {}
         for info in infos:
             if isinstance(info.offset, int) and isinstance(info.length, int) and info.length > 0:
@@ -448,7 +498,7 @@ class FsspecReader(StorageReader):
             spans.sort()
             merged = [list(spans[0])]
             for lo, hi in spans[1:]:
-                if lo <= merged[-1][1] + _MERGE_GAP:
+                if lo <= merged[-1][1] + min(_MERGE_GAP, hi - lo):
                     merged[-1][1] = max(merged[-1][1], hi)
                 else:
                     merged.append([lo, hi])
@@ -465,6 +515,7 @@ class FsspecReader(StorageReader):
             if batch:
                 self._fetch_batch(tmp, batch)
             batch, held = ([piece], piece[2] - piece[1]) if piece is not None else ([], 0)
+        return set(ranges)
 
     def _fetch_batch(self, tmp: str, batch: list) -> None:
         store = self.store
@@ -486,6 +537,39 @@ class FsspecReader(StorageReader):
                     view, off = view[n:], off + n
             finally:
                 os.close(fd)
+
+
+def staging_bytes(plan: SavePlan) -> int:
+    """The local space a save of ``plan`` through FsspecWriter stages before
+    it uploads: every tensor chunk's bytes plus _RECORD_OVERHEAD per item
+    (non-tensor values count that only: their pickles are made while
+    writing)."""
+    total = 0
+    for item in plan.items:
+        td = getattr(item, "tensor_data", None)
+        if td is not None:
+            n = 1
+            for s in td.chunk.sizes:
+                n *= int(s)
+            total += n * td.properties.dtype.itemsize
+        total += _RECORD_OVERHEAD
+    return total
+
+
+def _check_staging_space(tmp: str, plan: SavePlan, url: str) -> None:
+    """Refuse, before writing anything, a save whose local staging needs
+    more than the free space where ``tmp`` is."""
+    need = staging_bytes(plan)
+    try:
+        free = shutil.disk_usage(tmp).free
+    except OSError:
+        return
+    if need > free:
+        raise OSError(errno.ENOSPC,
+                      f"dcpx: saving to {url} stages this rank's data files locally "
+                      f"before uploading them: {need} bytes, and {os.path.dirname(tmp)} "
+                      f"has {free} free (set TMPDIR to a larger file system)",
+                      os.path.dirname(tmp))
 
 
 def _renamed(e: BaseException, tmp: str, url: str) -> BaseException:

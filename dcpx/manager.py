@@ -72,6 +72,31 @@ def _step_dir(step: int) -> str:
     return f"step-{int(step)}"
 
 
+def local_step(root: Union[str, os.PathLike], name: str) -> Optional[int]:
+    """The step number of the entry ``name`` of the local folder ``root``,
+    or None when it is not a step: the one rule for what a step is, used by
+    the manager and by ``dcpx ls``.  A step is a folder (or a link to one)
+    named ``step-{N}``; a file, a FIFO, a link to nothing or a link loop
+    with that name is not."""
+    m = STEP_RE.match(name)
+    if m is None or not os.path.isdir(os.path.join(root, name)):
+        return None
+    return int(m.group(1))
+
+
+def _not_a_step(manager: Any, name: str) -> None:
+    """Say once per manager and name that ``name`` (named like a step, not a
+    folder) is ignored."""
+    seen = manager.__dict__.setdefault("_ignored_entries", set())
+    if name in seen:
+        return
+    seen.add(name)
+    warnings.warn(f"dcpx.CheckpointManager: {os.path.join(str(manager.root), name)} is named "
+                  f"like a step but is not a folder (a file, a FIFO, a broken link or a "
+                  f"link loop): ignored (not listed, loaded or deleted)", RuntimeWarning,
+                  stacklevel=3)
+
+
 # ------------------------------------------------------------------ storage
 
 class _LocalRoot:
@@ -96,6 +121,9 @@ class _LocalRoot:
 
     def committed(self, name: str) -> bool:
         return os.path.isfile(self.path / name / _METADATA)
+
+    def is_step(self, name: str) -> bool:
+        return local_step(self.path, name) is not None
 
     def newest_mtime(self, name: str) -> Optional[float]:
         """The newest modification time of the folder and the files in it
@@ -136,7 +164,14 @@ class _LocalRoot:
         return hidden
 
     def remove(self, hidden: str) -> None:
-        shutil.rmtree(self.path / hidden, ignore_errors=True)
+        p = self.path / hidden
+        if os.path.islink(p) or not os.path.isdir(p):
+            try:  # a step that was a link (to a folder): the link goes
+                os.unlink(p)
+            except OSError:
+                pass
+            return
+        shutil.rmtree(p, ignore_errors=True)
 
     def reader(self, name: str):
         return FileSystemReader(self.path / name)
@@ -331,6 +366,9 @@ class CheckpointManager:
         for name in self._root.names():
             m = STEP_RE.match(name)
             if m is None:
+                continue
+            if not getattr(self._root, "is_step", lambda n: True)(name):
+                _not_a_step(self, name)
                 continue
             (committed if self._root.committed(name) else other).append(int(m.group(1)))
         return sorted(committed), sorted(other)

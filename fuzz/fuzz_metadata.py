@@ -28,6 +28,10 @@ the libFuzzer targets (fuzz_zipread.c, fuzz_reader.c, fuzz_picklescan.c).
 
 (``pip install atheris``; it ships manylinux wheels for CPython.)
 Pass ``--replay FILE...`` to run files through the checks without atheris.
+Pass ``--many-chunks`` (then atheris' arguments) to fuzz the many-chunks
+shape instead (fuzz/many_chunks.py: the bytes pick a layout of up to 2**17
+chunks of one key; a finding when decoding and checking it takes longer
+than a bound per chunk, or the C index accepts what ``loads`` refuses).
 
 Memory: an input during which the process's peak RSS grows by more than
 FUZZ_RSS_GROWTH_MB (default 512) is a finding.  As a safety net the address
@@ -232,7 +236,26 @@ def _coverage_unpickler():
     return Py
 
 
+def check_many_chunks(data: bytes) -> None:
+    """The many-chunks shape (fuzz/many_chunks.py), with its time bound."""
+    import many_chunks
+    raw, n = many_chunks.build(data)
+    try:
+        many_chunks.check(raw, n)
+    except (AssertionError, many_chunks.TooSlow) as e:
+        raise Finding(f"many chunks ({len(raw)} bytes): {e}") from e
+
+
 def main() -> None:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if len(sys.argv) > 1 and sys.argv[1] == "--many-chunks":
+        # fuzz/fuzz_metadata.py --many-chunks WORKDIR [atheris flags]:
+        # the fuzzer's bytes pick the shape (many_chunks.build)
+        import atheris
+        del sys.argv[1]
+        atheris.Setup(sys.argv, check_many_chunks)
+        atheris.Fuzz()
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--replay":
         for f in sys.argv[2:]:
             data = pathlib.Path(f).read_bytes()

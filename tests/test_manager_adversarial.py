@@ -245,7 +245,9 @@ def test_resume_ignores_foreign_folders_and_interrupted_deletions(tmp_path):
         assert m.load(sd) == 20
     skipped = sorted(str(w.message).split("skipped ")[1].split(":")[0] for w in caught
                      if issubclass(w.category, StepSkippedWarning))
-    assert skipped == ["step-50", "step-60", "step-70"]  # newer, uncommitted: named, passed over
+    # newer, uncommitted: named, passed over (step-70, a file, is no step:
+    # tests/test_tools_hostile.py::test_retention_ignores_non_folders_named_like_steps)
+    assert skipped == ["step-50", "step-60"]
     assert _step_of(sd) == 20
     m.save(30, _state(30))
     m.close()

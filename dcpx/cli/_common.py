@@ -13,9 +13,12 @@ CRC checked.
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import mmap
 import os
+import pickle
+import stat
 import sys
 import zipfile
 from collections.abc import Mapping
@@ -224,6 +227,8 @@ class TorchSource(Source):
     def __init__(self, path: Path):
         self.path = Path(path)
         self.mapped = True
+        if zipfile.is_zipfile(self.path):
+            check_torch_records(self.path)
         try:
             obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as e:
@@ -282,6 +287,87 @@ class TorchSource(Source):
             release_pages(value, self.path)
 
 
+class _Global:
+    """What a GLOBAL of ``data.pkl`` stands for in ``_storage_claims``:
+    nothing is imported or called."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Global":
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+class _ClaimsUnpickler(pickle.Unpickler):
+    def __init__(self, f: Any) -> None:
+        super().__init__(f)
+        self.claims: dict[str, tuple[str, int]] = {}   # key -> (storage type, numel)
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _Global(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] in ("storage", b"storage")
+                and isinstance(pid[1], _Global)):
+            key = pid[2].decode() if isinstance(pid[2], bytes) else str(pid[2])
+            numel = pid[4] if isinstance(pid[4], int) else -1
+            prev = self.claims.get(key)
+            if prev is None or prev[1] < numel:
+                self.claims[key] = (pid[1].name, numel)
+        return _Global("", "")
+
+
+def _storage_itemsize(name: str) -> Optional[int]:
+    if name == "UntypedStorage":
+        return 1
+    for dtype, sname in torch.storage._dtype_to_storage_type_map().items():
+        if sname == name:
+            return dtype.itemsize
+    return None
+
+
+def check_torch_records(path: Path) -> None:
+    """Every storage the ``data.pkl`` of the ``torch.save`` archive ``path``
+    names fits in its ``data/<key>`` record.  ``torch.load(mmap=True)``
+    takes each storage's bytes from the mapped file at its record's offset
+    without checking its size: a record shorter than its pickle claims
+    would hand out the next record's bytes (or the zip directory).  The
+    pickle is read with every global replaced by an inert stand-in (nothing
+    imported or run)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if len(pkl) != 1:
+                return  # not torch's layout: torch.load says what is wrong
+            prefix = pkl[0].filename[:-len("data.pkl")]
+            sizes = {i.filename[len(prefix):]: i.file_size for i in infos
+                     if i.filename.startswith(prefix)}
+            u = _ClaimsUnpickler(io.BytesIO(z.read(pkl[0])))
+            try:
+                u.load()
+            except Exception:
+                return  # torch.load reports a pickle it cannot read
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return
+    for key, (stype, numel) in u.claims.items():
+        itemsize = _storage_itemsize(stype)
+        if itemsize is None or numel < 0:
+            continue
+        need = numel * itemsize
+        have = sizes.get(f"data/{key}")
+        if have is None:
+            raise CliError(f"{path}: its pickle names the storage data/{key}, which the "
+                           f"archive does not hold (damaged or crafted file)")
+        if need > have:
+            raise CliError(f"{path}: storage data/{key} is {have} bytes, its pickle says "
+                           f"{need} ({numel} x {stype}): refused (a truncated or crafted "
+                           f"record; torch.load(mmap=True) would read past it)")
+
+
 class SafetensorsSource(Source):
     """One safetensors file, or the shards named by a Hugging Face
     ``model.safetensors.index.json``; read with ``safetensors.safe_open``
@@ -310,6 +396,7 @@ class SafetensorsSource(Source):
         self._file: dict[str, Path] = {}
         self.metadata: dict[str, str] = {}
         for f in files:
+            regular_file(f, "safetensors shard ")
             try:
                 h = safe_open(str(f), framework="pt")
             except Exception as e:
@@ -323,16 +410,21 @@ class SafetensorsSource(Source):
                 self._file[k] = f
 
     def _shards(self, index: Path) -> list[Path]:
+        regular_file(index, "safetensors index ")
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except Exception as e:
             raise CliError(f"{index}: not a safetensors index (no weight_map): {e}") from e
+        if not isinstance(weight_map, dict):
+            raise CliError(f"{index}: its weight_map is a {type(weight_map).__name__}, not "
+                           f"an object of tensor name -> shard file")
+        for key, name in weight_map.items():
+            if not isinstance(name, str):
+                raise CliError(f"{index}: weight_map[{key!r}] is a {type(name).__name__} "
+                               f"({str(name)[:80]}), not the name of a shard file")
         files = []
         for name in dict.fromkeys(weight_map.values()):
-            f = index.parent / name
-            if not f.exists():
-                raise CliError(f"{index}: names the shard {name}, which does not exist")
-            files.append(f)
+            files.append(shard_path(index, name))
         return files
 
     def entries(self) -> dict[str, Entry]:
@@ -354,6 +446,37 @@ class SafetensorsSource(Source):
         release_pages(value, self._file[key])
 
 
+def shard_path(index: Path, name: str) -> Path:
+    """The shard ``name`` that the index file ``index`` names: a path
+    relative to the index's folder and inside it (no absolute path, no
+    '..'), naming an existing file.  Links are followed, as Hugging Face's
+    cache folders are links into its blob store."""
+    p = Path(name)
+    if (not name or "\0" in name or p.is_absolute() or ".." in p.parts
+            or p.drive or "\\" in name):
+        raise CliError(f"{index}: names the shard {name!r}, outside its folder (refused)")
+    f = index.parent / p
+    if not f.exists():
+        raise CliError(f"{index}: names the shard {name}, which does not exist")
+    return f
+
+
+def regular_file(path: Path, what: str = "") -> None:
+    """Refuse ``path`` (links followed) unless it is a regular file: a FIFO
+    would block the read for ever, a device would read without end."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        raise CliError(f"{path}: cannot read {what.strip() or 'it'}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        raise CliError(f"{path}: {what}is {_KIND.get(stat.S_IFMT(mode), 'not a regular file')}, "
+                       f"not a regular file (refused)")
+
+
+_KIND = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+         stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory"}
+
+
 def _safetensors_dtype(name: str, key: str) -> torch.dtype:
     from safetensors.torch import _TYPES
     if name not in _TYPES:
@@ -373,6 +496,7 @@ def detect(path: Path) -> str:
     if path.name.endswith((".safetensors", ".index.json")):
         return "safetensors"
     if path.exists():
+        regular_file(path)
         with open(path, "rb") as f:
             head = f.read(9)
         if len(head) >= 9 and head[8:9] == b"{":

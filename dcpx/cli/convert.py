@@ -128,6 +128,10 @@ def _split_values(src: Source, entries: dict) -> tuple[list, dict]:
     """(tensor entries, string metadata) for a safetensors output; warns
     about every value it skips."""
     tensors = [e for e in entries.values() if e.is_tensor]
+    if any(e.key == "__metadata__" for e in tensors):
+        raise CliError("a tensor named '__metadata__' cannot be saved in safetensors (the "
+                       "header's own metadata has that name): rename it, or leave it out "
+                       "with --only")
     meta: dict[str, str] = {"format": "pt"}
     skipped = []
     for e in entries.values():

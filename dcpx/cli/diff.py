@@ -25,6 +25,16 @@ def _same_values(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> 
             return True, ""
         n = int((ua != ub).reshape(-1, a.element_size()).any(dim=1).sum())
         return False, f"{n} of {a.numel()} elements differ bitwise"
+    if a.dtype in (torch.int64, torch.uint64) and b.dtype == a.dtype:
+        # float64 holds 53 bits: 2**53 + 1 and 2**53 would compare equal
+        dist = _int64_distance(a, b)
+        close = dist <= atol + rtol * b.to(torch.float64).abs()
+        if bool(close.all()):
+            return True, ""
+        bad = ~close
+        worst = float(dist[bad].max())
+        return False, (f"{int(bad.sum())} of {a.numel()} elements outside rtol={rtol} "
+                       f"atol={atol} (max abs difference {worst:g})")
     wide = torch.complex128 if (a.is_complex() or b.is_complex()) else torch.float64
     x, y = a.to(wide), b.to(wide)
     close = torch.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
@@ -34,6 +44,22 @@ def _same_values(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> 
     worst = float((x - y).abs()[bad].max()) if bad.any() else 0.0
     return False, (f"{int(bad.sum())} of {a.numel()} elements outside rtol={rtol} "
                    f"atol={atol} (max abs difference {worst:g})")
+
+
+def _int64_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| of two int64 (or uint64) tensors, as float64 computed from the
+    exact difference (rounded once, so a difference of 1 stays 1 at any
+    magnitude): the difference modulo 2**64 of the larger minus the
+    smaller, read as an unsigned number."""
+    x = a.contiguous().reshape(-1).view(torch.int64)
+    y = b.contiguous().reshape(-1).view(torch.int64)
+    if a.dtype == torch.uint64:  # unsigned order as signed: flip the top bit
+        top = torch.tensor(-(1 << 63), dtype=torch.int64)
+        x, y = x ^ top, y ^ top
+    d = torch.where(x >= y, x - y, y - x)       # wraps: the true |a - b| mod 2**64
+    lo = (d & 0xFFFFFFFF).to(torch.float64)
+    hi = ((d >> 32) & 0xFFFFFFFF).to(torch.float64)
+    return (hi * 4294967296.0 + lo).reshape(a.shape)
 
 
 def _same_value(a: Any, b: Any) -> bool:

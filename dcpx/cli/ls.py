@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..filesystem import LOCAL_PROTOCOLS, METADATA_FN, local_path, url_protocol
-from ..manager import DELETING_PREFIX, STEP_RE
+from ..manager import DELETING_PREFIX, STEP_RE, local_step
 from ._common import CliError, NoCheckpoint, human
 
 HELP = ("list the checkpoints under a directory or URL (s3://, memory://...): step, size, "
@@ -151,7 +151,10 @@ def list_root(root: str) -> list[dict]:
         if name.startswith(DELETING_PREFIX):
             continue  # CheckpointManager's deletion in progress: never a checkpoint
         d = r / name
-        if d.is_dir() and not d.is_symlink() and (_STEP.match(name) or _looks_like_checkpoint(d)):
+        # steps by the manager's rule (links to folders included), other
+        # folders holding a checkpoint (not through a link)
+        if (local_step(r, name) is not None
+                or (d.is_dir() and not d.is_symlink() and _looks_like_checkpoint(d))):
             row = describe(d, now)
             if row is not None:
                 rows.append(row)
