@@ -38,6 +38,7 @@ from ._gc import paused_gc
 from ._pending import tensor_payload
 from ._plan import plan_local_save
 from ._reader import FileSystemReader
+from ._unasked import warn_unloaded
 from ._writer import FileSystemWriter
 from .errors import checkpoint_errors
 
@@ -320,7 +321,10 @@ def load(
         if fast and not distributed:
             with checkpoint_errors():
                 ck = _dist.open_checkpoint(reader)
+                count = ck.key_count()
                 _dist.load_flat(flat, mappings, stateful_sd, reader, ck, partial)
+            if not partial:  # keys the state dict did not ask for (dcpx/_unasked.py)
+                warn_unloaded(ck, count, flat, keys, reader.path, stacklevel=3)
             del ck
             flat = mappings = None
     if fast and distributed:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
+from ._stateful import wrap_state_dict
 from .errors import CheckpointError, CorruptCheckpointError
 from .filesystem import (
     DEAD,
@@ -370,6 +371,7 @@ class CheckpointManager:
         if preempted and self._last_saved == step:
             return None  # the final checkpoint is the one just saved
         name = _step_dir(step)
+        state_dict, _ = wrap_state_dict(state_dict, "dcpx.CheckpointManager.save")
         with self._lock:
             self._writing.add(step)
         kw: dict[str, Any] = {"process_group": self.process_group}
@@ -653,6 +655,7 @@ class CheckpointManager:
         ``CheckpointError`` listing every step and why when none loads.
         Errors of the state dict itself (a key the checkpoint lacks, a shape
         that differs) are raised at once."""
+        target, wrapped = wrap_state_dict(state_dict, "dcpx.CheckpointManager.load")
         self.wait()
         self.wait_for_retention()  # no step of ours is deleted under the load
         plan = self._candidates(step) if self._is_deleter() else None
@@ -667,8 +670,10 @@ class CheckpointManager:
             why = self._check(s) if self._is_deleter() else None  # rank 0 decides
             why = self._agree(why)
             if why is None:
-                why = self._try_load(state_dict, s)
+                why = self._try_load(target, s)
                 if why is None:
+                    for k in state_dict.keys() - wrapped:  # values dcpx.load replaced
+                        state_dict[k] = target[k]
                     return s
             failures.append(f"{_step_dir(s)}: {why}")
             if step is None:
