@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
 from ._stateful import wrap_state_dict
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .filesystem import (
     DEAD,
     LIVE,
@@ -55,6 +55,47 @@ DELETING_PREFIX = ".deleting-"
 _METADATA = METADATA_FN
 _MODES = {"sync": None, "async": AsyncCheckpointerType.THREAD,
           "process": AsyncCheckpointerType.PROCESS}
+
+
+#: the reader keyword arguments ``load_options`` may hold
+_LOAD_OPTIONS = ("allow_pickle", "thread_count", "verify")
+
+
+def _check_load_options(options: Optional[dict]) -> dict:
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_LOAD_OPTIONS))
+    if unknown:
+        raise ValueError(f"dcpx.CheckpointManager: load_options takes {list(_LOAD_OPTIONS)} "
+                         f"(FileSystemReader's keyword arguments), got {unknown}")
+    return options
+
+
+def _is_unsafe(e: BaseException) -> Optional[UnsafeCheckpointError]:
+    """The UnsafeCheckpointError in ``e`` (itself, its cause, or one of a
+    torch CheckpointException's failures), or None."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, UnsafeCheckpointError):
+            return e
+        for f in (getattr(e, "failures", None) or {}).values():
+            inner = f[0] if isinstance(f, tuple) else f
+            if isinstance(inner, UnsafeCheckpointError):
+                return inner
+        e, seen = e.__cause__, seen + 1
+    return None
+
+
+def _unsafe(e: UnsafeCheckpointError) -> UnsafeCheckpointError:
+    """The refusal, with the manager's way to allow it; raised at once: the
+    safe loader refuses a value of every step that holds it, and a refusal
+    is not damage (older steps are not tried)."""
+    out = UnsafeCheckpointError(
+        f"dcpx.CheckpointManager: {e} With the manager, pass load_options={{'allow_pickle': "
+        f"True}} (trusted checkpoints only), or register the type with "
+        f"torch.serialization.add_safe_globals before the load.")
+    out.global_name = getattr(e, "global_name", None)
+    out.__cause__ = e
+    return out
 
 
 class StepSkippedWarning(UserWarning):
@@ -80,8 +121,9 @@ class _LocalRoot:
     a ``.deleting-`` name first (atomic: it stops being a step at once),
     then removing the tree."""
 
-    def __init__(self, root: Union[str, os.PathLike]) -> None:
+    def __init__(self, root: Union[str, os.PathLike], reader_options: Optional[dict] = None) -> None:
         self.path = local_path(root)
+        self.reader_options = dict(reader_options or {})
 
     def __str__(self) -> str:
         return str(self.path)
@@ -140,7 +182,7 @@ class _LocalRoot:
         shutil.rmtree(self.path / hidden, ignore_errors=True)
 
     def reader(self, name: str):
-        return FileSystemReader(self.path / name)
+        return FileSystemReader(self.path / name, **self.reader_options)
 
 
 def info_mtime(info: dict) -> Optional[float]:
@@ -159,10 +201,11 @@ class _FsspecRoot:
     rename of a folder there, so a step is deleted ``.metadata`` first (it
     stops being committed at once), then the rest."""
 
-    def __init__(self, root: str, options: dict) -> None:
+    def __init__(self, root: str, options: dict, reader_options: Optional[dict] = None) -> None:
         from .fsspec import url_to_fs
         self.url = root.rstrip("/")
         self.options = options
+        self.reader_options = dict(reader_options or {})
         self.fs, path = url_to_fs(root, options)
         self.root = path.rstrip("/") or path
 
@@ -213,7 +256,7 @@ class _FsspecRoot:
 
     def reader(self, name: str):
         from .fsspec import FsspecReader
-        return FsspecReader(self.checkpoint_id(name), **self.options)
+        return FsspecReader(self.checkpoint_id(name), **self.reader_options, **self.options)
 
     def writer(self, name: str):
         from .fsspec import FsspecWriter
@@ -245,7 +288,10 @@ class CheckpointManager:
     URL root.  ``async_stager``: passed to every async_save
     (a ``DefaultStager`` you keep reuses its staging buffers).
     ``preemption``: install the preemption handler at once
-    (:meth:`install_preemption_handler`).
+    (:meth:`install_preemption_handler`).  ``load_options``: keyword
+    arguments of the reader every load and check uses
+    (``{"allow_pickle": True}`` for a trusted checkpoint holding values
+    outside the safe-load list; ``thread_count``, ``verify``).
     """
 
     def __init__(
@@ -264,6 +310,7 @@ class CheckpointManager:
         preemption: bool = False,
         preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
         preemption_deadline_s: Optional[float] = None,
+        load_options: Optional[dict] = None,
     ) -> None:
         if keep_latest_k is not None and int(keep_latest_k) < 1:
             raise ValueError(f"dcpx.CheckpointManager: keep_latest_k must be None (keep every "
@@ -280,11 +327,13 @@ class CheckpointManager:
         if verify not in ("commit", "full"):
             raise ValueError(f"dcpx.CheckpointManager: verify must be 'commit' or 'full', "
                              f"got {verify!r}")
+        self.load_options = _check_load_options(load_options)
         proto = url_protocol(root)
         if proto is None or proto in LOCAL_PROTOCOLS:
-            self._root: Any = _LocalRoot(root)
+            self._root: Any = _LocalRoot(root, self.load_options)
         else:
-            self._root = _FsspecRoot(os.fsdecode(os.fspath(root)), dict(storage_options or {}))
+            self._root = _FsspecRoot(os.fsdecode(os.fspath(root)), dict(storage_options or {}),
+                                     self.load_options)
             if verify == "full":
                 raise ValueError(f"dcpx.CheckpointManager: verify='full' checks local "
                                  f"checkpoints only; {root!r} is a {proto}:// URL (the default "
@@ -569,19 +618,29 @@ class CheckpointManager:
         return None
 
     # --------------------------------------------------------------- load
-    def _check(self, step: int) -> Optional[str]:
-        """None if the step passes the check, else why not."""
+    def _check(self, step: int) -> Any:
+        """None if the step passes the check, else why not (a string), or
+        ``("unsafe", message)`` when the safe loader refused a value: the
+        caller raises that on every rank (not damage: no older step)."""
         name = _step_dir(step)
         try:
             self._root.reader(name).read_metadata()
+        except UnsafeCheckpointError as e:
+            return ("unsafe", str(_unsafe(e)))
         except Exception as e:
             return f"its .metadata does not read: {e}"
         if self.verify == "full":
             out = io.StringIO()
+            found: list = []
             try:
-                problems = _verify_checkpoint()(self._root.checkpoint_id(name), out=out)
+                problems = _verify_checkpoint()(
+                    self._root.checkpoint_id(name), out=out, errors=found,
+                    allow_pickle=bool(self.load_options.get("allow_pickle")))
             except Exception as e:
                 return f"the full check failed: {e}"
+            refused = [e for _, e in found if isinstance(e, UnsafeCheckpointError)]
+            if refused:  # not damage: the safe loader refused a value (raised, not skipped)
+                return ("unsafe", str(_unsafe(refused[0])))
             if problems:
                 lines = [ln.strip() for ln in out.getvalue().splitlines() if "BAD" in ln]
                 return f"the full check found {problems} problem(s): " + "; ".join(lines[:3])
@@ -618,7 +677,7 @@ class CheckpointManager:
         """Load one step: None if it loaded (on every rank), else why the
         step is at fault.  An error of the state dict itself is raised."""
         kw: dict[str, Any] = {"process_group": self.process_group}
-        if isinstance(self._root, _FsspecRoot):
+        if isinstance(self._root, _FsspecRoot) or self.load_options:
             kw["storage_reader"] = self._root.reader(_step_dir(step))
         else:
             kw["checkpoint_id"] = self._root.checkpoint_id(_step_dir(step))
@@ -628,7 +687,10 @@ class CheckpointManager:
             _load(state_dict, **kw)
         except Exception as e:
             err = e
-            if isinstance(e, (CorruptCheckpointError, OSError)):
+            if _is_unsafe(e):
+                kind = "user"    # refused by the safe loader: every step would be
+                err = _unsafe(_is_unsafe(e))
+            elif isinstance(e, (CorruptCheckpointError, OSError)):
                 kind = "step"    # a corrupt record, a missing or unreadable file
             elif type(e) is CheckpointError:
                 kind = "remote"  # another rank failed (dcpx raises this on the others)
@@ -669,6 +731,8 @@ class CheckpointManager:
         for s in candidates:
             why = self._check(s) if self._is_deleter() else None  # rank 0 decides
             why = self._agree(why)
+            if isinstance(why, tuple):  # ("unsafe", message): the same on every rank
+                raise UnsafeCheckpointError(why[1])
             if why is None:
                 why = self._try_load(target, s)
                 if why is None:
