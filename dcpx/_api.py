@@ -300,6 +300,8 @@ def load(
     if not isinstance(state_dict, dict):
         raise TypeError(f"dcpx.load: state_dict must be a dict, got {type(state_dict).__name__}")
     reader = _reader_for(storage_reader, checkpoint_id)
+    # An async_save into this directory still uploading: its commit first.
+    _locks.wait_for_saves(reader)
     keys = sorted(state_dict.keys())
     values = list(map(state_dict.__getitem__, keys))
     if _NEVER_STATEFUL.issuperset(map(type, values)):  # the common case, at C speed
