@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _dist, _locks, _plan
+from . import _dist, _guard, _locks, _plan
 from ._files import LOCAL_PROTOCOLS, url_protocol
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
@@ -261,6 +261,7 @@ def save(
 ) -> Metadata:
     """Save a state dict; same signature and semantics as
     ``torch.distributed.checkpoint.save``.  Returns the checkpoint Metadata."""
+    _guard.check_not_bootstrapping("save")  # the main script run again by spawn
     if not isinstance(state_dict, dict):
         raise TypeError(f"dcpx.save: state_dict must be a dict, got {type(state_dict).__name__}")
     writer = _writer_for(storage_writer, checkpoint_id)
@@ -297,6 +298,7 @@ def load(
     semantics as ``torch.distributed.checkpoint.load``.  Tensor data is CRC
     checked, and non-tensor values are unpickled under torch's weights_only
     allow-list unless the reader was built with ``allow_pickle=True``."""
+    _guard.check_not_bootstrapping("load")
     if not isinstance(state_dict, dict):
         raise TypeError(f"dcpx.load: state_dict must be a dict, got {type(state_dict).__name__}")
     reader = _reader_for(storage_reader, checkpoint_id)

@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
+from . import _guard
 from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
 from ._stateful import wrap_state_dict
@@ -312,6 +313,7 @@ class CheckpointManager:
         preemption_deadline_s: Optional[float] = None,
         load_options: Optional[dict] = None,
     ) -> None:
+        _guard.check_not_bootstrapping("CheckpointManager")  # the main script run again by spawn
         if keep_latest_k is not None and int(keep_latest_k) < 1:
             raise ValueError(f"dcpx.CheckpointManager: keep_latest_k must be None (keep every "
                              f"step) or at least 1, got {keep_latest_k!r}")
