@@ -222,3 +222,16 @@ def _fsdp2_resume(rank: int, world: int, root: str) -> dict:
 def test_fsdp2_raw_objects_resume_bit_exact(tmp_path):
     for r in spawn(_fsdp2_resume, 2, str(tmp_path)):
         assert r == {"same": True, "n": 6}
+
+
+def test_md_index_len_counts_the_keys(tmp_path):
+    """The count the unloaded-keys check compares (C decoder's tables)."""
+    from dcpx import _C, _dist
+    from dcpx._reader import FileSystemReader
+    sd = {"a": torch.ones(2), "b": {"c": torch.zeros(3), "d": 4}, "e": [1, torch.ones(1)]}
+    dcpx.save(sd, checkpoint_id=tmp_path)
+    ck = _dist.open_checkpoint(FileSystemReader(tmp_path))
+    md = dcpx.FileSystemReader(tmp_path).read_metadata()
+    assert ck.key_count() == len(md.state_dict_metadata) == 5
+    if ck.index is not None:
+        assert _C.md_index_len(ck.index) == 5
