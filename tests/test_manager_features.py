@@ -111,3 +111,18 @@ def test_delete(tmp_path):
         assert not any(p.name.startswith(".deleting-") for p in tmp_path.iterdir())
         state = _state(0)
         assert ckpt.load(state) == 3
+
+
+def test_user_metadata_on_a_url_root():
+    pytest.importorskip("fsspec")
+    import uuid
+    root = f"memory://dcpx-features-{uuid.uuid4().hex[:8]}"
+    with CheckpointManager(root, async_mode="sync", keep_latest_k=1, keep_best_k=1,
+                           best_metric="acc", best_mode="max") as ckpt:
+        ckpt.save(1, _state(1), metadata={"acc": 0.9})
+        ckpt.save(2, _state(2), metadata={"acc": 0.5})
+        ckpt.save(3, _state(3), metadata={"acc": 0.7})
+        ckpt.wait_for_retention()
+        assert ckpt.all_steps() == [1, 3]
+        assert ckpt.step_metadata(1) == {"acc": 0.9}
+        assert ckpt.delete(3) is True and ckpt.all_steps() == [1]

@@ -235,3 +235,35 @@ def test_md_index_len_counts_the_keys(tmp_path):
     assert ck.key_count() == len(md.state_dict_metadata) == 5
     if ck.index is not None:
         assert _C.md_index_len(ck.index) == 5
+
+
+_FRESH_PROCESS = '''
+import sys, torch, json
+sys.path.insert(0, {tests!r})
+from test_manager_state import _run
+losses, start = _run(sys.argv[1], 8, stop_after=int(sys.argv[2]) or None)
+print(json.dumps({{"losses": losses, "start": start}}))
+'''
+
+
+def test_raw_objects_resume_bit_exact_in_fresh_process(tmp_path):
+    """Each run in its own process: nothing of the first survives but the
+    checkpoint."""
+    import json
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "run.py"
+    script.write_text(_FRESH_PROCESS.format(tests=tests))
+
+    def run(root, stop):
+        r = subprocess.run([sys.executable, str(script), str(tmp_path / root), str(stop)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    straight = run("a", 0)
+    first, rest = run("b", 3), run("b", 0)
+    assert (first["start"], rest["start"]) == (0, 3)
+    assert first["losses"] + rest["losses"] == straight["losses"]
