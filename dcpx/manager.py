@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -101,6 +102,7 @@ def _unsafe(e: UnsafeCheckpointError) -> UnsafeCheckpointError:
 
 #: the user metadata of a step (``save(..., metadata=)``), in its folder
 USER_METADATA_FN = "user_metadata.json"
+_MAX_USER_METADATA = 64 << 20
 
 
 def _user_metadata_bytes(metadata: Optional[dict]) -> Optional[bytes]:
@@ -224,11 +226,23 @@ class _LocalRoot:
         os.replace(tmp, d / fname)
 
     def read_file(self, name: str, fname: str) -> Optional[bytes]:
+        """The file's bytes; None if absent.  A link or another non-regular
+        file is refused, as inside a checkpoint (docs/reliability.md)."""
+        path = self.path / name / fname
         try:
-            with open(self.path / name / fname, "rb") as f:
-                return f.read()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise CorruptCheckpointError(f"dcpx.CheckpointManager: {path}: cannot open it "
+                                         f"(a link?): {e}") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_USER_METADATA:
+                raise CorruptCheckpointError(
+                    f"dcpx.CheckpointManager: {path}: not a regular file of at most "
+                    f"{_MAX_USER_METADATA} bytes")
+            return f.read()
 
 
 def info_mtime(info: dict) -> Optional[float]:
@@ -857,7 +871,7 @@ class CheckpointManager:
     def _metric(self, step: int) -> Optional[float]:
         try:
             v = self.step_metadata(step).get(self.best_metric)
-        except Exception:  # unreadable: not ranked (never deleted for it either)
+        except Exception:  # unreadable: not ranked (the other retention rules apply)
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
             return None

@@ -126,3 +126,15 @@ def test_user_metadata_on_a_url_root():
         assert ckpt.all_steps() == [1, 3]
         assert ckpt.step_metadata(1) == {"acc": 0.9}
         assert ckpt.delete(3) is True and ckpt.all_steps() == [1]
+
+
+def test_user_metadata_link_refused(tmp_path):
+    from dcpx.errors import CorruptCheckpointError
+    with CheckpointManager(tmp_path / "r", async_mode="sync") as ckpt:
+        ckpt.save(1, _state(1), metadata={"loss": 1.0})
+    meta = tmp_path / "r" / "step-1" / USER_METADATA_FN
+    (tmp_path / "elsewhere.json").write_text('{"loss": 0.0}')
+    meta.unlink()
+    meta.symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(CorruptCheckpointError, match="user_metadata.json: cannot open it"):
+        CheckpointManager(tmp_path / "r").step_metadata(1)
