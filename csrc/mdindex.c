@@ -1244,6 +1244,16 @@ PyObject *dcpx_md_index_bytes(PyObject *Py_UNUSED(module), PyObject *args)
     return out;
 }
 
+/* The number of keys (state_dict_metadata entries): dcpx.load compares it
+ * with the keys it asked for, to tell cheaply whether it left any out. */
+PyObject *dcpx_md_index_len(PyObject *Py_UNUSED(module), PyObject *cap)
+{
+    dcpx_mdindex *ix = get_index(cap);
+    if (ix == NULL)
+        return NULL;
+    return PyLong_FromSsize_t(ix->ne);
+}
+
 /* For tests: what the tables say, as Python values. */
 PyObject *dcpx_md_index_entries(PyObject *Py_UNUSED(module), PyObject *cap)
 {

@@ -31,13 +31,14 @@ from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _dist, _locks, _plan
+from . import _dist, _guard, _locks, _plan
 from ._files import LOCAL_PROTOCOLS, url_protocol
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._pending import tensor_payload
 from ._plan import plan_local_save
 from ._reader import FileSystemReader
+from ._unasked import warn_unloaded
 from ._writer import FileSystemWriter
 from .errors import checkpoint_errors
 
@@ -260,6 +261,7 @@ def save(
 ) -> Metadata:
     """Save a state dict; same signature and semantics as
     ``torch.distributed.checkpoint.save``.  Returns the checkpoint Metadata."""
+    _guard.check_not_bootstrapping("save")  # the main script run again by spawn
     if not isinstance(state_dict, dict):
         raise TypeError(f"dcpx.save: state_dict must be a dict, got {type(state_dict).__name__}")
     writer = _writer_for(storage_writer, checkpoint_id)
@@ -296,9 +298,12 @@ def load(
     semantics as ``torch.distributed.checkpoint.load``.  Tensor data is CRC
     checked, and non-tensor values are unpickled under torch's weights_only
     allow-list unless the reader was built with ``allow_pickle=True``."""
+    _guard.check_not_bootstrapping("load")
     if not isinstance(state_dict, dict):
         raise TypeError(f"dcpx.load: state_dict must be a dict, got {type(state_dict).__name__}")
     reader = _reader_for(storage_reader, checkpoint_id)
+    # An async_save into this directory still uploading: its commit first.
+    _locks.wait_for_saves(reader)
     keys = sorted(state_dict.keys())
     values = list(map(state_dict.__getitem__, keys))
     if _NEVER_STATEFUL.issuperset(map(type, values)):  # the common case, at C speed
@@ -320,7 +325,10 @@ def load(
         if fast and not distributed:
             with checkpoint_errors():
                 ck = _dist.open_checkpoint(reader)
+                count = ck.key_count()
                 _dist.load_flat(flat, mappings, stateful_sd, reader, ck, partial)
+            if not partial:  # keys the state dict did not ask for (dcpx/_unasked.py)
+                warn_unloaded(ck, count, flat, keys, reader.path, stacklevel=3)
             del ck
             flat = mappings = None
     if fast and distributed:

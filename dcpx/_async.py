@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _dist, _locks
+from . import _dist, _guard, _locks
 from ._api import (
     _dist_in_use,
     _stateful_to_state_dict,
@@ -240,6 +240,7 @@ def async_save(
     stager stages asynchronously.  After staging completes the caller may
     change its tensors: the checkpoint holds the values of the call.
     """
+    _guard.check_not_bootstrapping("async_save")  # the main script run again by spawn
     if not isinstance(state_dict, dict):
         raise TypeError(f"dcpx.async_save: state_dict must be a dict, got "
                         f"{type(state_dict).__name__}")

@@ -68,6 +68,7 @@ from ._plan import (  # noqa: F401 (the planner's names, as before)
     scan,
 )
 from ._reader import FileSystemReader, _TensorRead
+from ._unasked import warn_unloaded
 from ._writer import FileSystemWriter, _path_key
 from .errors import CheckpointError, CorruptCheckpointError, checkpoint_errors
 
@@ -1095,7 +1096,10 @@ def load(reader: FileSystemReader, flat: dict, mappings: dict, original: dict, g
     try:
         with paused_gc():
             ck = open_checkpoint(reader, g.rank, g.is_coordinator)
+            count = ck.key_count()
             load_flat(flat, mappings, original, reader, ck, allow_partial_load)
+        if g.is_coordinator and not allow_partial_load:  # once, not once per rank
+            warn_unloaded(ck, count, flat, original, reader.path, stacklevel=5)
         status = ("ok",)
     except Exception as e:
         own, status = e, _failure(g.rank, e)

@@ -159,6 +159,23 @@ def turn(writer: Any) -> Iterator[None]:
         finish(t)
 
 
+def wait_for_saves(reader: Any) -> None:
+    """A load: wait until every save into the reader's directory that this
+    process started before the call (an ``async_save``'s upload) has
+    finished, so that the load reads what that save committed.  Costs one
+    dict lookup while no save is in flight; never waits on a turn this
+    thread holds."""
+    if not _queues:
+        return
+    key = dir_key(reader)
+    if key is None or key in _held_keys():
+        return
+    with _cond:
+        pending = list(_queues.get(key, ()))
+        while any(not t.finished for t in pending):
+            _cond.wait()
+
+
 @contextlib.contextmanager
 def holding(key: Optional[str]) -> Iterator[None]:
     """Mark this thread as running the save that holds ``key``'s turn."""

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _C
+from ._values import warn_if_refused
 from ._dtypes import _TO_DLPACK, _needs_int_view, dlpack_export, dlpack_view, storage_type_name
 
 
@@ -129,7 +130,9 @@ def value_payload(obj: Any, key: str) -> bytes:
     except Exception as e:
         raise TypeError(f"dcpx: cannot save {key!r}: its value of type "
                         f"{type(obj).__name__} does not pickle: {e}") from e
-    return buf.getvalue()
+    data = buf.getvalue()
+    warn_if_refused(obj, key, data)  # a value dcpx's safe loader will refuse
+    return data
 
 
 class LazyItem(NamedTuple):

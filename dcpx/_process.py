@@ -35,6 +35,8 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from . import _guard
+
 
 _lock = threading.Lock()
 _worker: Optional["_Worker"] = None
@@ -68,10 +70,19 @@ class _Worker:
         self.sent_cwd: Optional[str] = None
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dcpx-process-upload")
 
+    def _raise_if_unguarded(self, e: BaseException) -> None:
+        """The pipe broke: if the process stopped because the main script ran
+        again in it (dcpx/_guard.py), say so."""
+        self.proc.join(5)
+        err = _guard.guard_error(self.proc.exitcode)
+        if err is not None:
+            raise err from e
+
     def run(self, staged, stager, writer) -> Any:
         try:
             return self._run(staged, stager, writer)
         except (EOFError, OSError) as e:  # the pipe broke: the process died
+            self._raise_if_unguarded(e)
             if not self.proc.is_alive() or isinstance(e, (EOFError, BrokenPipeError)):
                 raise RuntimeError(
                     f"dcpx: the checkpoint process died while saving {writer.path} "
@@ -184,6 +195,7 @@ class _Worker:
                                 others, sorted(self.sent_buffers)))
                 status, result = self.conn.recv()
             except (EOFError, OSError) as e:
+                self._raise_if_unguarded(e)
                 raise RuntimeError(
                     f"dcpx: the checkpoint process died while writing {writer.path} "
                     f"(exit code {self.proc.exitcode}); that checkpoint was not "
@@ -204,6 +216,7 @@ class _Worker:
             self._sync_cwd()
             self.conn.send(msg)  # pickled whole before anything is written
         except (EOFError, BrokenPipeError, ConnectionError) as e:
+            self._raise_if_unguarded(e)
             raise RuntimeError(f"dcpx: the checkpoint process died before {what} "
                                f"(exit code {self.proc.exitcode})") from e
         except Exception as e:
@@ -211,6 +224,7 @@ class _Worker:
         try:
             status, result = self.conn.recv()
         except (EOFError, OSError) as e:
+            self._raise_if_unguarded(e)
             raise RuntimeError(
                 f"dcpx: the checkpoint process died during {what} (exit code "
                 f"{self.proc.exitcode}); that checkpoint was not committed") from e
@@ -303,6 +317,7 @@ def submit_process_upload(staged, stager, writer, planner, process_group, no_dis
     global _worker
     with _lock:
         if _worker is None or not _worker.proc.is_alive():
+            _guard.check_main_guarded()  # spawn would run an unguarded script again
             _worker = _Worker()
         w = _worker
     if not (isinstance(writer, FileSystemWriter) and eligible):
@@ -448,6 +463,7 @@ def _writer_from(config: dict, parent: int):
 
 def _worker_main(conn) -> None:
     from ._api import save
+    _guard.worker_running = True  # dcpx calls from here on are the worker's own
     parent = os.getppid()
     buffers: dict[int, torch.Tensor] = {}
     layouts: dict[int, _StagedViews] = {}  # per buffer serial: its staged layout

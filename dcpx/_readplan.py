@@ -89,7 +89,7 @@ class Checkpoint:
     one."""
 
     __slots__ = ("ident", "raw", "where", "_md", "files", "plans", "no_plan", "byte_index",
-                 "whole_index", "no_direct", "index")
+                 "whole_index", "no_direct", "index", "_nkeys")
 
     def __init__(self, ident: Optional[tuple], raw: bytes, metadata: Optional[Metadata],
                  files: dict, where: str = "", index: Any = None) -> None:
@@ -106,6 +106,24 @@ class Checkpoint:
         # _C.md_index's tables (csrc/mdindex.c), when it decoded the file:
         # then no Metadata object is made unless something asks for one.
         self.index = index
+        self._nkeys: Optional[int] = None
+
+    def key_count(self) -> int:
+        """How many keys the checkpoint holds (without decoding the
+        Metadata again once it was released: call it before a load)."""
+        n = self._nkeys
+        if n is None:
+            if self._md is None and self.index is not None:
+                n = _C.md_index_len(self.index)
+            else:
+                n = len(self.metadata.state_dict_metadata)
+            self._nkeys = n
+        return n
+
+    def keys(self) -> set:
+        """Every key of the checkpoint (decoded for this call only)."""
+        md = self._md if self._md is not None else _metadata.loads(self.raw, self.where)
+        return set(md.state_dict_metadata)
 
     @property
     def metadata(self) -> Metadata:

@@ -247,3 +247,100 @@ def loads(data: bytes, where: str, allow_pickle: bool = False) -> Any:
     except Exception as e:
         raise CorruptCheckpointError(
             f"{where}: cannot unpickle the value: {type(e).__name__}: {e}") from e
+
+
+# ------------------------------------------------------------ at save time
+
+#: types whose pickles name no global (and containers of them, see _walk)
+_PLAIN = frozenset((int, float, bool, str, bytes, type(None)))
+_PLAIN_TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))
+_CONTAINERS = frozenset((dict, list, tuple))
+_warned_keys: set = set()
+#: (key, signature) of values whose scan found nothing refused
+_passed: set = set()
+_MAX_PASSED = 4096
+
+
+def _walk(obj: Any, budget: int = 1000) -> tuple:
+    """(plain, signature) of a value: plain when made of plain values,
+    lists, tuples, dicts and plain tensors only (whose pickles name only
+    allow-listed globals); the signature (the types of the other values met,
+    numpy dtypes included) stands for the globals its pickle names, None
+    when it cannot (a numpy array of objects, more than ``budget`` values)."""
+    stack, sig = [obj], []
+    while stack:
+        budget -= 1
+        if budget < 0:
+            return False, None
+        o = stack.pop()
+        t = type(o)
+        if t in _PLAIN or t in _PLAIN_TENSORS:
+            continue
+        if t in _CONTAINERS:
+            stack.extend(o.values() if t is dict else o)
+            if t is dict:
+                stack.extend(o.keys())
+            continue
+        dtype = getattr(o, "dtype", None)
+        if dtype is not None and getattr(dtype, "hasobject", False):
+            return False, None
+        sig.append((t, dtype) if dtype is not None else t)
+    return not sig, tuple(sig)
+
+
+def refused_globals(data: bytes) -> Optional[list[str]]:
+    """The globals of a ``torch.save`` archive that ``loads`` would refuse
+    (a static scan: torch's get_unsafe_globals_in_checkpoint, which knows
+    torch's list and the user's, less dcpx's additions); None if the scan
+    cannot tell."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+    except Exception:
+        return None
+    ours = dcpx_safe_globals()
+    return sorted(g for g in found if g not in ours)
+
+
+def warn_if_refused(obj: Any, key: str, data: bytes) -> None:
+    """At save time: warn (UnsafeValueWarning, once per key and process) if
+    dcpx's safe loader will refuse the value just pickled as ``data``.
+    Plain values cost a type lookup or a walk of their containers; others a
+    static scan of the pickle, once per key and kind of value."""
+    if type(obj) in _PLAIN or key in _warned_keys:
+        return
+    plain, sig = _walk(obj)
+    if plain or (sig is not None and (key, sig) in _passed):
+        return
+    if _forced_weights_only():
+        return  # torch's own list applies at load; not second-guessed here
+    names = refused_globals(data)
+    if not names:
+        if sig is not None:
+            if len(_passed) >= _MAX_PASSED:
+                _passed.clear()
+            _passed.add((key, sig))
+        return
+    _warned_keys.add(key)
+    import warnings
+    from .errors import UnsafeValueWarning
+    shown = ", ".join(names)
+    warnings.warn(
+        f"dcpx.save: the value of {key!r} (a {type(obj).__module__}.{type(obj).__qualname__}) "
+        f"pickles {shown}, which dcpx's safe loader refuses (loading it could run code): the "
+        f"save goes on, but its load will raise UnsafeCheckpointError. Save a value made of "
+        f"allow-listed types instead (e.g. rng.get_state() for a numpy RandomState; docs/api.md, "
+        f"\"Non-tensor values and safe loading\"), or at load time allow it with "
+        f"torch.serialization.add_safe_globals([{shown}]), or load with allow_pickle=True if you "
+        f"trust the checkpoint (FileSystemReader(path, allow_pickle=True); "
+        f"CheckpointManager(..., load_options={{'allow_pickle': True}})).",
+        UnsafeValueWarning, stacklevel=_outside_dcpx())
+
+
+def _outside_dcpx() -> int:
+    """The stacklevel of the first caller outside the dcpx package."""
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    import sys
+    f, level = sys._getframe(1), 1
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(here):
+        f, level = f.f_back, level + 1
+    return level

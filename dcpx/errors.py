@@ -35,6 +35,8 @@ __all__ = [
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
+    "UnloadedKeysWarning",
+    "UnsafeValueWarning",
 ]
 
 
@@ -89,6 +91,19 @@ class CorruptCheckpointError(CheckpointError):
 class UnsafeCheckpointError(CorruptCheckpointError):
     """A pickle in the checkpoint asks for something outside dcpx's
     allow-list (it could run code); it was not loaded."""
+
+
+class UnloadedKeysWarning(UserWarning):
+    """``dcpx.load``: the checkpoint holds keys inside an entry of the state
+    dict (under its top-level key) that the state dict did not ask for, so
+    they were not loaded: a freshly made optimizer's empty state, most
+    often (docs/api.md, "Keys a load leaves out")."""
+
+
+class UnsafeValueWarning(UserWarning):
+    """A save wrote a non-tensor value that dcpx's safe loader will refuse
+    (its type is not on the allow-list): the message names the key and how
+    to make it load (docs/api.md, "Non-tensor values and safe loading")."""
 
 
 # --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
@@ -29,9 +30,11 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
+from . import _guard
 from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
-from .errors import CheckpointError, CorruptCheckpointError
+from ._stateful import wrap_state_dict
+from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .filesystem import (
     DEAD,
     LIVE,
@@ -54,6 +57,77 @@ DELETING_PREFIX = ".deleting-"
 _METADATA = METADATA_FN
 _MODES = {"sync": None, "async": AsyncCheckpointerType.THREAD,
           "process": AsyncCheckpointerType.PROCESS}
+
+
+#: the reader keyword arguments ``load_options`` may hold
+_LOAD_OPTIONS = ("allow_pickle", "thread_count", "verify")
+
+
+def _check_load_options(options: Optional[dict]) -> dict:
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_LOAD_OPTIONS))
+    if unknown:
+        raise ValueError(f"dcpx.CheckpointManager: load_options takes {list(_LOAD_OPTIONS)} "
+                         f"(FileSystemReader's keyword arguments), got {unknown}")
+    return options
+
+
+def _is_unsafe(e: BaseException) -> Optional[UnsafeCheckpointError]:
+    """The UnsafeCheckpointError in ``e`` (itself, its cause, or one of a
+    torch CheckpointException's failures), or None."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, UnsafeCheckpointError):
+            return e
+        for f in (getattr(e, "failures", None) or {}).values():
+            inner = f[0] if isinstance(f, tuple) else f
+            if isinstance(inner, UnsafeCheckpointError):
+                return inner
+        e, seen = e.__cause__, seen + 1
+    return None
+
+
+def _unsafe(e: UnsafeCheckpointError) -> UnsafeCheckpointError:
+    """The refusal, with the manager's way to allow it; raised at once: the
+    safe loader refuses a value of every step that holds it, and a refusal
+    is not damage (older steps are not tried)."""
+    out = UnsafeCheckpointError(
+        f"dcpx.CheckpointManager: {e} With the manager, pass load_options={{'allow_pickle': "
+        f"True}} (trusted checkpoints only), or register the type with "
+        f"torch.serialization.add_safe_globals before the load.")
+    out.global_name = getattr(e, "global_name", None)
+    out.__cause__ = e
+    return out
+
+
+#: the user metadata of a step (``save(..., metadata=)``), in its folder
+USER_METADATA_FN = "user_metadata.json"
+_MAX_USER_METADATA = 64 << 20
+
+
+def _user_metadata_bytes(metadata: Optional[dict]) -> Optional[bytes]:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise TypeError(f"dcpx.CheckpointManager.save: metadata must be a dict, got "
+                        f"{type(metadata).__name__}")
+    import json
+    try:
+        return json.dumps(metadata, sort_keys=True, allow_nan=True).encode()
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"dcpx.CheckpointManager.save: metadata must be JSON-serializable "
+                        f"(it is stored as {USER_METADATA_FN}): {e}") from None
+
+
+def _check_best(k: Optional[int], metric: Optional[str], mode: str) -> tuple:
+    if (k is None) != (metric is None):
+        raise ValueError("dcpx.CheckpointManager: keep_best_k and best_metric go together "
+                         f"(got keep_best_k={k!r}, best_metric={metric!r})")
+    if k is not None and int(k) < 1:
+        raise ValueError(f"dcpx.CheckpointManager: keep_best_k must be at least 1, got {k!r}")
+    if mode not in ("min", "max"):
+        raise ValueError(f"dcpx.CheckpointManager: best_mode must be 'min' or 'max', got {mode!r}")
+    return (None if k is None else int(k)), metric, mode
 
 
 class StepSkippedWarning(UserWarning):
@@ -104,8 +178,9 @@ class _LocalRoot:
     a ``.deleting-`` name first (atomic: it stops being a step at once),
     then removing the tree."""
 
-    def __init__(self, root: Union[str, os.PathLike]) -> None:
+    def __init__(self, root: Union[str, os.PathLike], reader_options: Optional[dict] = None) -> None:
         self.path = local_path(root)
+        self.reader_options = dict(reader_options or {})
 
     def __str__(self) -> str:
         return str(self.path)
@@ -174,7 +249,35 @@ class _LocalRoot:
         shutil.rmtree(p, ignore_errors=True)
 
     def reader(self, name: str):
-        return FileSystemReader(self.path / name)
+        return FileSystemReader(self.path / name, **self.reader_options)
+
+    def write_file(self, name: str, fname: str, data: bytes) -> None:
+        """Write ``name/fname`` atomically (a temporary file, then rename)."""
+        d = self.path / name
+        os.makedirs(d, exist_ok=True)
+        tmp = d / f".{fname}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, d / fname)
+
+    def read_file(self, name: str, fname: str) -> Optional[bytes]:
+        """The file's bytes; None if absent.  A link or another non-regular
+        file is refused, as inside a checkpoint (docs/reliability.md)."""
+        path = self.path / name / fname
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CorruptCheckpointError(f"dcpx.CheckpointManager: {path}: cannot open it "
+                                         f"(a link?): {e}") from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_USER_METADATA:
+                raise CorruptCheckpointError(
+                    f"dcpx.CheckpointManager: {path}: not a regular file of at most "
+                    f"{_MAX_USER_METADATA} bytes")
+            return f.read()
 
 
 def info_mtime(info: dict) -> Optional[float]:
@@ -193,10 +296,11 @@ class _FsspecRoot:
     rename of a folder there, so a step is deleted ``.metadata`` first (it
     stops being committed at once), then the rest."""
 
-    def __init__(self, root: str, options: dict) -> None:
+    def __init__(self, root: str, options: dict, reader_options: Optional[dict] = None) -> None:
         from .fsspec import url_to_fs
         self.url = root.rstrip("/")
         self.options = options
+        self.reader_options = dict(reader_options or {})
         self.fs, path = url_to_fs(root, options)
         self.root = path.rstrip("/") or path
 
@@ -247,11 +351,20 @@ class _FsspecRoot:
 
     def reader(self, name: str):
         from .fsspec import FsspecReader
-        return FsspecReader(self.checkpoint_id(name), **self.options)
+        return FsspecReader(self.checkpoint_id(name), **self.reader_options, **self.options)
 
     def writer(self, name: str):
         from .fsspec import FsspecWriter
         return FsspecWriter(self.checkpoint_id(name), **self.options)
+
+    def write_file(self, name: str, fname: str, data: bytes) -> None:
+        self.fs.pipe_file(f"{self.root}/{name}/{fname}", data)
+
+    def read_file(self, name: str, fname: str) -> Optional[bytes]:
+        try:
+            return self.fs.cat_file(f"{self.root}/{name}/{fname}")
+        except FileNotFoundError:
+            return None
 
 
 # ------------------------------------------------------------------ manager
@@ -279,7 +392,13 @@ class CheckpointManager:
     URL root.  ``async_stager``: passed to every async_save
     (a ``DefaultStager`` you keep reuses its staging buffers).
     ``preemption``: install the preemption handler at once
-    (:meth:`install_preemption_handler`).
+    (:meth:`install_preemption_handler`).  ``load_options``: keyword
+    arguments of the reader every load and check uses
+    (``{"allow_pickle": True}`` for a trusted checkpoint holding values
+    outside the safe-load list; ``thread_count``, ``verify``).
+    ``keep_best_k``, ``best_metric``, ``best_mode``: retention also keeps
+    the ``keep_best_k`` steps whose user metadata (``save(...,
+    metadata=)``) has the best ``best_metric`` (``"min"`` or ``"max"``).
     """
 
     def __init__(
@@ -298,7 +417,12 @@ class CheckpointManager:
         preemption: bool = False,
         preemption_signals: Sequence[int] = (signal.SIGTERM, signal.SIGUSR1),
         preemption_deadline_s: Optional[float] = None,
+        load_options: Optional[dict] = None,
+        keep_best_k: Optional[int] = None,
+        best_metric: Optional[str] = None,
+        best_mode: str = "min",
     ) -> None:
+        _guard.check_not_bootstrapping("CheckpointManager")  # the main script run again by spawn
         if keep_latest_k is not None and int(keep_latest_k) < 1:
             raise ValueError(f"dcpx.CheckpointManager: keep_latest_k must be None (keep every "
                              f"step) or at least 1, got {keep_latest_k!r}")
@@ -314,11 +438,15 @@ class CheckpointManager:
         if verify not in ("commit", "full"):
             raise ValueError(f"dcpx.CheckpointManager: verify must be 'commit' or 'full', "
                              f"got {verify!r}")
+        self.load_options = _check_load_options(load_options)
+        self.keep_best_k, self.best_metric, self.best_mode = _check_best(
+            keep_best_k, best_metric, best_mode)
         proto = url_protocol(root)
         if proto is None or proto in LOCAL_PROTOCOLS:
-            self._root: Any = _LocalRoot(root)
+            self._root: Any = _LocalRoot(root, self.load_options)
         else:
-            self._root = _FsspecRoot(os.fsdecode(os.fspath(root)), dict(storage_options or {}))
+            self._root = _FsspecRoot(os.fsdecode(os.fspath(root)), dict(storage_options or {}),
+                                     self.load_options)
             if verify == "full":
                 raise ValueError(f"dcpx.CheckpointManager: verify='full' checks local "
                                  f"checkpoints only; {root!r} is a {proto}:// URL (the default "
@@ -386,7 +514,8 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     # --------------------------------------------------------------- save
-    def save(self, step: int, state_dict: dict, force: bool = False) -> Any:
+    def save(self, step: int, state_dict: dict, force: bool = False,
+             metadata: Optional[dict] = None) -> Any:
         """Save ``state_dict`` as ``root/step-{step}`` if ``step`` is a
         multiple of ``save_interval_steps`` (or ``force``, or preempted).
 
@@ -395,7 +524,14 @@ class CheckpointManager:
         its tensors), the Metadata for ``async_mode="sync"``, or None when
         the interval skips the step.  The previous save is waited for
         first (its failure is raised here).  After preemption the save is
-        waited for before returning: the caller may exit at once."""
+        waited for before returning: the caller may exit at once.
+
+        ``metadata``: a JSON-serializable dict saved with the step
+        (``user_metadata.json`` in its folder, written before the step
+        commits), read back with :meth:`step_metadata` without loading any
+        tensor; its ``best_metric`` value ranks the step for
+        ``keep_best_k``."""
+        meta_bytes = _user_metadata_bytes(metadata)
         step = int(step)
         if step < 0:
             raise ValueError(f"dcpx.CheckpointManager.save: step must be >= 0, got {step}")
@@ -408,6 +544,7 @@ class CheckpointManager:
         if preempted and self._last_saved == step:
             return None  # the final checkpoint is the one just saved
         name = _step_dir(step)
+        state_dict, _ = wrap_state_dict(state_dict, "dcpx.CheckpointManager.save")
         with self._lock:
             self._writing.add(step)
         kw: dict[str, Any] = {"process_group": self.process_group}
@@ -420,6 +557,8 @@ class CheckpointManager:
                 # The step folder is made here, by every rank, before the save: a
                 # multi-rank save then never depends on which rank creates it.
                 os.makedirs(kw["checkpoint_id"], exist_ok=True)
+            if meta_bytes is not None and self._is_deleter():  # before the step commits
+                self._root.write_file(name, USER_METADATA_FN, meta_bytes)
             if mode is None:
                 result = _save(state_dict, **kw)
                 self._saved(step, None)
@@ -521,6 +660,8 @@ class CheckpointManager:
             keep.add(self._last_saved)
         if self.keep_every_n_steps:
             keep.update(s for s in committed if s % self.keep_every_n_steps == 0)
+        if self.keep_best_k:
+            keep.update(self.best_steps(committed))
         with self._lock:
             keep |= self._writing
         now = time.time()
@@ -605,19 +746,29 @@ class CheckpointManager:
         return None
 
     # --------------------------------------------------------------- load
-    def _check(self, step: int) -> Optional[str]:
-        """None if the step passes the check, else why not."""
+    def _check(self, step: int) -> Any:
+        """None if the step passes the check, else why not (a string), or
+        ``("unsafe", message)`` when the safe loader refused a value: the
+        caller raises that on every rank (not damage: no older step)."""
         name = _step_dir(step)
         try:
             self._root.reader(name).read_metadata()
+        except UnsafeCheckpointError as e:
+            return ("unsafe", str(_unsafe(e)))
         except Exception as e:
             return f"its .metadata does not read: {e}"
         if self.verify == "full":
             out = io.StringIO()
+            found: list = []
             try:
-                problems = _verify_checkpoint()(self._root.checkpoint_id(name), out=out)
+                problems = _verify_checkpoint()(
+                    self._root.checkpoint_id(name), out=out, errors=found,
+                    allow_pickle=bool(self.load_options.get("allow_pickle")))
             except Exception as e:
                 return f"the full check failed: {e}"
+            refused = [e for _, e in found if isinstance(e, UnsafeCheckpointError)]
+            if refused:  # not damage: the safe loader refused a value (raised, not skipped)
+                return ("unsafe", str(_unsafe(refused[0])))
             if problems:
                 lines = [ln.strip() for ln in out.getvalue().splitlines() if "BAD" in ln]
                 return f"the full check found {problems} problem(s): " + "; ".join(lines[:3])
@@ -654,7 +805,7 @@ class CheckpointManager:
         """Load one step: None if it loaded (on every rank), else why the
         step is at fault.  An error of the state dict itself is raised."""
         kw: dict[str, Any] = {"process_group": self.process_group}
-        if isinstance(self._root, _FsspecRoot):
+        if isinstance(self._root, _FsspecRoot) or self.load_options:
             kw["storage_reader"] = self._root.reader(_step_dir(step))
         else:
             kw["checkpoint_id"] = self._root.checkpoint_id(_step_dir(step))
@@ -664,7 +815,10 @@ class CheckpointManager:
             _load(state_dict, **kw)
         except Exception as e:
             err = e
-            if isinstance(e, (CorruptCheckpointError, OSError)):
+            if _is_unsafe(e):
+                kind = "user"    # refused by the safe loader: every step would be
+                err = _unsafe(_is_unsafe(e))
+            elif isinstance(e, (CorruptCheckpointError, OSError)):
                 kind = "step"    # a corrupt record, a missing or unreadable file
             elif type(e) is CheckpointError:
                 kind = "remote"  # another rank failed (dcpx raises this on the others)
@@ -680,7 +834,9 @@ class CheckpointManager:
                                   f"another rank: " + "; ".join(m for _, m in outcomes if m))
         return "its load failed: " + next(m for k, m in outcomes if k == "step")
 
-    def load(self, state_dict: dict, step: Optional[int] = None) -> Optional[int]:
+    def load(self, state_dict: dict, step: Optional[int] = None, *,
+             root: Union[str, os.PathLike, None] = None,
+             exclude: Sequence[str] = ()) -> Optional[int]:
         """Load the newest committed and intact step into ``state_dict`` in
         place (as dcpx.load) and return its number; or load ``step``.
 
@@ -690,7 +846,17 @@ class CheckpointManager:
         when the root has no committed step (a fresh run); raises
         ``CheckpointError`` listing every step and why when none loads.
         Errors of the state dict itself (a key the checkpoint lacks, a shape
-        that differs) are raised at once."""
+        that differs) are raised at once.
+
+        ``root``: load from another root (a pretrained run's, say) with this
+        manager's checks and load options; this manager's steps are not
+        touched.  ``exclude``: top-level keys of ``state_dict`` not to load
+        (e.g. ``("optim",)`` to take only the weights); they are left as
+        they are.  To load the model alone, pass a state dict holding only
+        it: a checkpoint's other top-level entries are never asked for."""
+        if root is not None or exclude:
+            return self._load_other(state_dict, step, root, exclude)
+        target, wrapped = wrap_state_dict(state_dict, "dcpx.CheckpointManager.load")
         self.wait()
         self.wait_for_retention()  # no step of ours is deleted under the load
         plan = self._candidates(step) if self._is_deleter() else None
@@ -704,9 +870,13 @@ class CheckpointManager:
         for s in candidates:
             why = self._check(s) if self._is_deleter() else None  # rank 0 decides
             why = self._agree(why)
+            if isinstance(why, tuple):  # ("unsafe", message): the same on every rank
+                raise UnsafeCheckpointError(why[1])
             if why is None:
-                why = self._try_load(state_dict, s)
+                why = self._try_load(target, s)
                 if why is None:
+                    for k in state_dict.keys() - wrapped:  # values dcpx.load replaced
+                        state_dict[k] = target[k]
                     return s
             failures.append(f"{_step_dir(s)}: {why}")
             if step is None:
@@ -715,6 +885,142 @@ class CheckpointManager:
                               StepSkippedWarning, stacklevel=2)
         raise CheckpointError(f"dcpx.CheckpointManager: no step under {self.root} loads: "
                               + "; ".join(failures))
+
+    # ------------------------------------- metadata, best steps, export, delete
+    def step_metadata(self, step: int) -> dict:
+        """The user metadata saved with ``step`` (``save(..., metadata=)``),
+        without loading any tensor; ``{}`` if it was saved without."""
+        data = self._root.read_file(_step_dir(step), USER_METADATA_FN)
+        if data is None:
+            return {}
+        import json
+        try:
+            out = json.loads(data)
+        except ValueError as e:
+            raise CorruptCheckpointError(
+                f"dcpx.CheckpointManager: {self._root.checkpoint_id(_step_dir(step))}/"
+                f"{USER_METADATA_FN}: not JSON: {e}") from None
+        if not isinstance(out, dict):
+            raise CorruptCheckpointError(
+                f"dcpx.CheckpointManager: {self._root.checkpoint_id(_step_dir(step))}/"
+                f"{USER_METADATA_FN}: not a JSON object")
+        return out
+
+    def _metric(self, step: int) -> Optional[float]:
+        try:
+            v = self.step_metadata(step).get(self.best_metric)
+        except Exception:  # unreadable: not ranked (the other retention rules apply)
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+            return None
+        return float(v)
+
+    def best_steps(self, steps: Optional[Sequence[int]] = None) -> list[int]:
+        """The ``keep_best_k`` committed steps (of ``steps``, if given) with
+        the best ``best_metric`` in their metadata, best first (ties: the
+        newer step first).  Steps without a numeric value are not ranked."""
+        if not self.keep_best_k:
+            return []
+        ranked = []
+        for s in (self.all_steps() if steps is None else steps):
+            v = self._metric(s)
+            if v is not None:
+                ranked.append((v if self.best_mode == "min" else -v, -s))
+        return [-neg for _, neg in sorted(ranked)[:self.keep_best_k]]
+
+    def _load_other(self, state_dict: dict, step: Optional[int], root: Any,
+                    exclude: Sequence[str]) -> Optional[int]:
+        """load() from another root and/or without some top-level keys."""
+        if isinstance(exclude, str):
+            exclude = (exclude,)
+        missing = [k for k in exclude if k not in state_dict]
+        if missing:
+            raise KeyError(f"dcpx.CheckpointManager.load: exclude names {missing}, which the "
+                           f"state dict does not hold (its keys: {sorted(state_dict)})")
+        part = {k: v for k, v in state_dict.items() if k not in exclude}
+        if root is None:
+            got = self.load(part, step)
+        else:
+            opts = self._root.options if isinstance(self._root, _FsspecRoot) else None
+            other = CheckpointManager(root, async_mode="sync", process_group=self.process_group,
+                                      verify=self.verify, storage_options=opts,
+                                      load_options=self.load_options)
+            try:
+                got = other.load(part, step)
+            finally:
+                other.close()
+        for k, v in part.items():  # values dcpx.load replaced
+            state_dict[k] = v
+        return got
+
+    def export(self, dest: Union[str, os.PathLike], step: Optional[int] = None, *,
+               prefix: str = "model", max_shard_size: Optional[str] = None,
+               overwrite: bool = False) -> Optional[str]:
+        """Write the tensors under ``prefix`` (the state dict's ``"model"``
+        entry) of a committed step (the newest by default) as safetensors,
+        keys without the prefix: the model's own state dict, for inference
+        or the Hugging Face hub.  ``dest`` ending in ``.safetensors``: one
+        file; else a directory holding ``model.safetensors``, or with
+        ``max_shard_size`` (``"5GB"``) the shards and
+        ``model.safetensors.index.json`` as Hugging Face names them.  Reads
+        the step in bounded memory (``dcpx convert``).  With a process group
+        rank 0 writes (the others return None); local roots only.  Returns
+        what was written."""
+        if isinstance(self._root, _FsspecRoot):
+            raise ValueError(f"dcpx.CheckpointManager.export: reads local roots only; "
+                             f"{self.root} is a URL (dcpx convert it after a download)")
+        self.wait()
+        if not self._is_deleter():
+            return None
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"dcpx.CheckpointManager.export: no committed step "
+                                      f"under {self.root}")
+        elif not self._root.committed(_step_dir(step)):
+            raise CheckpointError(f"dcpx.CheckpointManager.export: {_step_dir(step)} under "
+                                  f"{self.root} is not a committed step")
+        from .cli.convert import convert
+        out = os.fspath(dest)
+        if not out.endswith(".safetensors") and max_shard_size is None:
+            os.makedirs(out, exist_ok=True)
+            out = os.path.join(out, "model.safetensors")
+        pre = prefix.rstrip(".") + "."
+        convert(self._root.checkpoint_id(_step_dir(step)), out, to="safetensors",
+                max_shard_size=max_shard_size, overwrite=overwrite, only=[pre],
+                strip_prefix=pre, out=io.StringIO())
+        return out
+
+    def delete(self, step: int) -> bool:
+        """Delete ``step`` (committed or not) now, as retention deletes: it
+        stops being a step at once (renamed, or its ``.metadata`` removed
+        first on a URL root), then its files go.  Refused (RuntimeError) for
+        a step this process is saving or a dcpx save of any process is
+        writing into.  False if there is no such step.  With a process
+        group, call it on rank 0 (elsewhere it does nothing)."""
+        step = int(step)
+        if not self._is_deleter():
+            return False
+        name = _step_dir(step)
+        self.wait_for_retention()
+        if name not in self._root.names():
+            return False
+        with self._lock:
+            if step in self._writing:
+                raise RuntimeError(f"dcpx.CheckpointManager.delete: {name} is being saved")
+            if self._root.save_state(name) == LIVE:
+                raise RuntimeError(f"dcpx.CheckpointManager.delete: a save is writing into "
+                                   f"{self._root.checkpoint_id(name)}")
+            hidden = self._root.hide(name)
+        if hidden is None:
+            return False
+        if self._root.save_state(hidden) == LIVE and self._root.unhide(hidden, name):
+            raise RuntimeError(f"dcpx.CheckpointManager.delete: a save started writing into "
+                               f"{self._root.checkpoint_id(name)}; not deleted")
+        self._root.remove(hidden)
+        if self._last_saved == step:
+            self._last_saved = None
+        return True
 
     # --------------------------------------------------------- preemption
     @property

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Optional
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
@@ -20,20 +21,25 @@ def _check_archive(reader: FileSystemReader, info) -> int:
     return check_zip_crcs(raw, f"{reader.path / info.relative_path} at offset {info.offset}")
 
 
-def verify_checkpoint(path: str, out=None, *, show_progress: bool = False) -> int:
+def verify_checkpoint(path: str, out=None, *, show_progress: bool = False,
+                      errors: Optional[list] = None, allow_pickle: bool = False) -> int:
     """Read every tensor chunk (CRC-checked), CRC-check every other record of
     its archive, and load every value (weights_only); report each problem,
     one line each, and keep going.  Returns the number of problems.
 
     Raises IncompleteCheckpointError / NotADirectoryError when there is no
-    checkpoint at ``path`` at all (exit status 2)."""
+    checkpoint at ``path`` at all (exit status 2).  ``errors``: a list that
+    gets each problem as (what, exception); ``allow_pickle``: the reader's
+    (CheckpointManager's ``load_options``)."""
     out = out or sys.stdout  # looked up per call: redirect_stdout works
-    reader = FileSystemReader(path)
+    reader = FileSystemReader(path, allow_pickle=allow_pickle)
     problems = 0
 
     def bad(what: str, e: BaseException) -> None:
         nonlocal problems
         problems += 1
+        if errors is not None:
+            errors.append((what, e))
         msg = str(e) if isinstance(e, (CheckpointError, OSError)) else f"{type(e).__name__}: {e}"
         print(f"  BAD {what}: {msg}", file=out)
 
