@@ -22,7 +22,7 @@ import struct
 from typing import Any, Optional, Sequence
 
 from . import _C
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CorruptCheckpointError, UnsupportedFormatError
 
 _SKIP_MAGIC = 0x184D2A5D
 _TRAILER = struct.pack("<II", _SKIP_MAGIC, 8) + b"DCPX"
@@ -30,10 +30,9 @@ TRAILER_LEN = len(_TRAILER) + 4
 _ZSTD = "stream.zstd"
 
 
-class UnsupportedTransformError(CheckpointError):
-    """A record uses a stream transform this process cannot undo (an
-    extension not registered, or ZStandard without zstandard / pyzstd): the
-    checkpoint is not damaged."""
+#: a record uses a stream transform this process cannot undo (an extension
+#: not registered, or ZStandard without zstandard / pyzstd)
+UnsupportedTransformError = UnsupportedFormatError
 
 
 def default_registry() -> Any:

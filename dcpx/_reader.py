@@ -648,9 +648,25 @@ class FileSystemReader(StorageReader):
     def _fallback_read(self, r: _TensorRead) -> torch.Tensor:
         """The record loaded by torch.load (checked against the metadata)."""
         path = self.path / r.info.relative_path
-        raw = self.read_record(r.key, r.info)
-        if self.verify and getattr(r.info, "transform_descriptors", None):
-            check_zip_crcs(raw, f"{path}: key {r.key!r}")
+        if getattr(r.info, "transform_descriptors", None):
+            try:
+                raw = self.read_record(r.key, r.info)
+                if self.verify:
+                    check_zip_crcs(raw, f"{path}: key {r.key!r}")
+            except CorruptCheckpointError as e:
+                if r.info.length != r.chunk.numel() * r.dtype.itemsize:
+                    raise
+                # torch's SAFETENSORS writer with _extensions records an empty
+                # compressed frame per tensor and the tensor's byte count
+                # (its bytes are in the untransformed safetensors blob after
+                # them): a layout neither torch's reader nor dcpx's loads
+                raise _fmt_transforms.UnsupportedTransformError(
+                    f"dcpx: {path}: key {r.key!r}: the record is a transformed one of exactly "
+                    f"the tensor's byte count: torch writes this for SAFETENSORS together with "
+                    f"_extensions, which neither torch nor dcpx can load (re-save with one of "
+                    f"the two); if the checkpoint was not written so, it is damaged: {e}") from None
+        else:
+            raw = read_regular(path, r.info.offset, r.info.length)
         try:
             t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as e:

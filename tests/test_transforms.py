@@ -174,6 +174,8 @@ def test_unknown_transform_is_not_called_corrupt(tmp_path):
     with pytest.raises(CheckpointError) as ei:
         dcpx.load({"w": torch.empty(10)},
                   storage_reader=dcpx.FileSystemReader(tmp_path, _extension_registry=Registry()))
+    from dcpx.errors import UnsupportedFormatError
+    assert isinstance(ei.value, UnsupportedFormatError)
     assert not isinstance(ei.value, CorruptCheckpointError)
     msg = str(ei.value)
     assert "stream.zstd/1" in msg and "not damaged" in msg and "zstandard" in msg
@@ -218,3 +220,16 @@ def test_two_ranks_zstd(tmp_path):
     tdcp.load(out, storage_reader=tdcp.FileSystemReader(str(tmp_path)), no_dist=True,
               planner=tdcp.DefaultLoadPlanner(allow_partial_load=True))
     assert torch.equal(out["r1"], torch.arange(5) + 1)
+
+
+def test_torch_safetensors_with_zstd_is_not_called_corrupt(tmp_path):
+    """torch writes SAFETENSORS + _extensions as an empty zstd frame per
+    tensor (recording the tensor's byte count) before an untransformed
+    blob; torch's reader cannot load it either.  dcpx says what it is."""
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    from dcpx.errors import UnsupportedFormatError
+    tdcp.save({"a": torch.arange(10.)}, storage_writer=tdcp.FileSystemWriter(
+        str(tmp_path), serialization_format=SerializationFormat.SAFETENSORS,
+        _extensions=[ZStandard()]), no_dist=True)
+    with pytest.raises(UnsupportedFormatError, match="'a'.*SAFETENSORS together with _extensions"):
+        dcpx.load({"a": torch.empty(10)}, checkpoint_id=tmp_path)

@@ -6,8 +6,7 @@ import sys
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..filesystem import FileSystemReader, check_zip_crcs, read_regular
-from .._fmt_safetensors import is_raw
+from ..filesystem import FileSystemReader, check_zip_crcs, is_raw, read_regular
 from ._common import progress
 
 HELP = "check every record of a checkpoint (CRC-32s, values, extents)"
