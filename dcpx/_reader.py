@@ -412,7 +412,9 @@ class FileSystemReader(StorageReader):
         else:
             sdm_all, storage = metadata.state_dict_metadata, metadata.storage_data
             mine = {i: v for i, v in storage.items() if getattr(i, "fqn", None) == fqn}
-            self._validate_storage(Metadata(state_dict_metadata=sdm_all, storage_data=mine))
+            mine_md = Metadata(state_dict_metadata=sdm_all, storage_data=mine)
+            self._validate_storage(mine_md)
+            storage = _formats.resolve(self.path, mine_md).storage_data  # SAFETENSORS entries
         sdm = sdm_all[fqn]
         if not isinstance(sdm, TensorStorageMetadata):
             info = storage.get(MetadataIndex(fqn))

@@ -319,3 +319,35 @@ def test_fsspec_url_loads_safetensors(tmp_path):
         _bits_equal(sd, out)
     finally:
         fs.rm("/st_remote", recursive=True)
+
+
+def test_async_save_writes_safetensors(tmp_path):
+    sd = {"a": make_tensor((1000,), torch.float32), "c": 7}
+    dcpx.async_save(sd, storage_writer=dcpx.FileSystemWriter(
+        tmp_path, serialization_format=SF)).result()
+    md = tdcp.FileSystemReader(str(tmp_path)).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == "a")
+    assert info.length == 4000  # torch's SAFETENSORS entry: the tensor's byte count
+    out = {"a": torch.empty(1000), "c": None}
+    dcpx.load(out, checkpoint_id=tmp_path)
+    _bits_equal(sd, out)
+
+
+def _two_rank_safetensors(rank, world, path):
+    import torch.distributed as dist
+    sd = {"w": torch.full((4,), 1.5), f"r{rank}": torch.arange(5) + rank, "step": 9}
+    dcpx.save(sd, storage_writer=dcpx.FileSystemWriter(path, serialization_format=SF))
+    dist.barrier()
+    out = {"w": torch.empty(4), f"r{rank}": torch.empty(5, dtype=torch.int64), "step": 0}
+    dcpx.load(out, checkpoint_id=path)
+    assert torch.equal(out[f"r{rank}"], torch.arange(5) + rank) and out["step"] == 9
+    assert torch.equal(out["w"], torch.full((4,), 1.5))
+
+
+def test_two_ranks_safetensors(tmp_path):
+    from dist_helpers import spawn
+    spawn(_two_rank_safetensors, 2, str(tmp_path))
+    assert len(list(tmp_path.glob("__1_*.distcp"))) == 1  # each rank wrote its file
+    out = {"r0": torch.empty(5, dtype=torch.int64), "r1": torch.empty(5, dtype=torch.int64)}
+    dcpx.load(out, checkpoint_id=tmp_path)
+    assert torch.equal(out["r1"], torch.arange(5) + 1)
