@@ -235,7 +235,7 @@ def _indexed(reader, raw: bytes, ident: tuple, key: str) -> Optional[Checkpoint]
         sizes.append(st.st_size)
     if not _C.md_index_check(index, sizes):
         return None
-    if not _formats.plain_zip_files(reader.path, names):
+    if not _formats.plain_zip_files(reader.path, names, sizes):
         return None  # SAFETENSORS or stream-transformed data files
     return Checkpoint(ident, raw, None, files, key, index)
 
