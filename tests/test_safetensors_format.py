@@ -293,13 +293,14 @@ def test_cli_inspect_verify_convert(tmp_path):
 def test_manager_loads_torch_written_safetensors_step(tmp_path):
     sd = {"w": make_tensor((4, 4), torch.float32), "step": 3}
     _torch_save(sd, tmp_path / "step-3")
-    mgr = dcpx.CheckpointManager(tmp_path, async_mode="sync")
-    try:
-        out = {"w": torch.empty(4, 4), "step": 0}
-        assert mgr.load(out) == 3
-        _bits_equal(sd, out)
-    finally:
-        mgr.close()
+    for verify in ("commit", "full"):  # "full": dcpx verify's every check
+        mgr = dcpx.CheckpointManager(tmp_path, async_mode="sync", verify=verify)
+        try:
+            out = {"w": torch.empty(4, 4), "step": 0}
+            assert mgr.load(out) == 3
+            _bits_equal(sd, out)
+        finally:
+            mgr.close()
 
 
 def test_fsspec_url_loads_safetensors(tmp_path):
