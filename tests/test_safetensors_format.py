@@ -352,3 +352,33 @@ def test_two_ranks_safetensors(tmp_path):
     out = {"r0": torch.empty(5, dtype=torch.int64), "r1": torch.empty(5, dtype=torch.int64)}
     dcpx.load(out, checkpoint_id=tmp_path)
     assert torch.equal(out["r1"], torch.arange(5) + 1)
+
+
+def test_format_modules_import_no_rank_coordination():
+    """The storage formats import downward only (issue 23, "Also"): no
+    module they reach, directly or not, is rank coordination (_dist) or the
+    planning and API layers above it."""
+    import ast
+    root = Path(dcpx.__file__).parent
+    above = {"_dist", "_plan", "_api", "_async", "_process", "manager", "_writer", "_reader"}
+
+    def imports(mod):
+        tree = ast.parse((root / f"{mod}.py").read_text())
+        out = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    out.add(node.module.split(".")[0])
+                else:
+                    out.update(a.name for a in node.names)
+        return out
+
+    for start in ("_formats", "_fmt_safetensors", "_fmt_transforms"):
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m in seen or not (root / f"{m}.py").exists():
+                continue
+            seen.add(m)
+            todo.extend(imports(m))
+        assert not (seen & above), (start, sorted(seen & above))
