@@ -610,7 +610,8 @@ class FileSystemReader(StorageReader):
             items.append((fidx, r.info.offset, r.info.length, dlpack_view(dest),
                           "" if is_raw(r.info) else storage_type_name(r.dtype)))
         if transformed:
-            keep = [i for i in range(len(items)) if i not in set(transformed)]
+            skip = set(transformed)
+            keep = [i for i in range(len(items)) if i not in skip]
             got = _C.read_items([str(self.path / p) for p in files], [items[i] for i in keep],
                                 threads=self.thread_count, verify=self.verify) if keep else []
             failures = [(keep[i], *rest) for i, *rest in got]

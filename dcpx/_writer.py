@@ -68,8 +68,13 @@ class FileSystemWriter(StorageWriter):
     and the directory are fsynced), ``thread_count`` (C writer threads, one
     file each), ``overwrite``.  ``per_thread_copy_ahead`` and
     ``cache_staged_state_dict`` are accepted for compatibility; staging is
-    done by dcpx's stager (see dcpx.staging).
+    done by dcpx's stager (see dcpx.staging).  ``serialization_format``
+    (SAFETENSORS) and ``_extensions`` (stream transforms) write torch's
+    other formats (docs/format.md).
     """
+
+    _safetensors = False          # serialization_format=SAFETENSORS
+    _extensions: Sequence = ()    # stream transforms, applied in order
 
     def __init__(
         self,
