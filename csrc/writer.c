@@ -381,6 +381,8 @@ static int write_small(batch_t *b, witem *it, size_t gap)
     memset(p, 0, gap);
     p += gap;
     if (it->raw) {
+        if (v->nbytes == 0)
+            return 0; /* an empty tensor: its data pointer may be NULL */
         if (v->contiguous)
             memcpy(p, v->data, (size_t)v->nbytes);
         else
