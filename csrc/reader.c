@@ -3,6 +3,8 @@
  *   failures = read_items(paths, items, threads=1, verify=True)
  *       paths: [path, ...]
  *       item:  (file_index, offset, length, dest_tensor, storage_type)
+ *       storage_type "": the extent holds the tensor's bytes themselves
+ *       (safetensors), read as they are (length must be its byte count)
  *   -> [(item_index, code, errno, message), ...] for items not read:
  *       code 1 FALLBACK  valid archive in a form we do not read ourselves
  *                        (caller uses torch.load(weights_only=True))
@@ -268,6 +270,29 @@ static uint32_t swap_unit(const ritem *it, const dcpx_tensor_record *rec)
 
 /* Read one archive: from `mem` if its L bytes are there already (a run),
  * else from its file. */
+/* A raw item (storage type ""): the tensor's bytes themselves lie at
+ * [offset, offset + length) (a safetensors data file, dcpx/_fmt_safetensors.py),
+ * with no record around them and no CRC to check. */
+static int read_raw(rjob *job, ritem *it, const unsigned char *mem)
+{
+    if (it->length != it->dest.nbytes)
+        return fail(it, RD_CORRUPT, 0, "raw tensor extent does not match its "
+                                      "shape and dtype");
+    if (it->length == 0)
+        return 0;
+    if (mem != NULL) {
+        memcpy(it->dest.data, mem, it->length);
+        return 0;
+    }
+    for (uint64_t done = 0; done < it->length; done += CHUNK) {
+        size_t n = it->length - done < CHUNK ? (size_t)(it->length - done) : CHUNK;
+        if (pread_all(job->fds[it->file], it->dest.data + done, n,
+                      it->offset + done) < 0)
+            return io_fail(it, "read");
+    }
+    return 0;
+}
+
 static int read_archive(rjob *job, ritem *it, scratch *s,
                         const unsigned char *mem)
 {
@@ -281,6 +306,8 @@ static int read_archive(rjob *job, ritem *it, scratch *s,
     const unsigned char *p, *cd = NULL;
     int rc, swap = 0;
 
+    if (it->storage_type[0] == '\0')
+        return read_raw(job, it, mem);
     if (mem != NULL) {
         head.w = tail.w = mem;
         head.wbeg = tail.wbeg = 0;

@@ -5,6 +5,10 @@
  *       item:  bytes                      a raw "bytes item"
  *            | (tensor, storage_type)     a tensor, written as a
  *                                         torch.save archive
+ *            | (tensor, "")               a tensor's bytes alone, no archive
+ *                                         and no alignment gap before them
+ *                                         (the tensor data of a safetensors
+ *                                         file, dcpx/_fmt_safetensors.py)
  *            | (tensor, storage_type, gate)  the same, its bytes read only
  *                                         once the staging gate says they
  *                                         are final (csrc/gate.h)
@@ -64,6 +68,7 @@
 
 typedef struct {
     int is_tensor;
+    int raw;               /* storage type "": the bytes alone, packed */
     /* bytes item: borrowed from a bytes object held in WriteJob.keep */
     const char *bytes;
     uint64_t bytes_len;
@@ -337,6 +342,11 @@ static int write_large(WriteJob *job, batch_t *b, witem *it)
         atomic_fetch_add_explicit(&job->written, n, memory_order_relaxed);
     }
     free(bounce);
+    if (it->raw) {
+        b->pos = data_off + v->nbytes;
+        b->arena_used = (size_t)(b->pos % DCPX_ALIGN);
+        return 0;
+    }
     /* The head, written last (it holds the CRC), and the tail, which
      * continues the (empty) batch, are built in the arena's last
      * DCPX_ARCHIVE_MAX bytes, clear of what the batch reserves next. */
@@ -370,6 +380,15 @@ static int write_small(batch_t *b, witem *it, size_t gap)
         return -1;
     memset(p, 0, gap);
     p += gap;
+    if (it->raw) {
+        if (v->nbytes == 0)
+            return 0; /* an empty tensor: its data pointer may be NULL */
+        if (v->contiguous)
+            memcpy(p, v->data, (size_t)v->nbytes);
+        else
+            dcpx_view_gather(v, 0, v->nbytes, p);
+        return 0;
+    }
     if (build_archive(it, &a, p, n - gap, (size_t)v->nbytes) < 0)
         return -1;
     char *dst = p + it->head_len;
@@ -648,7 +667,8 @@ static int add_item(WriteJob *self, witem *it, PyObject *obj, uint64_t serial,
                      it->view.device_type);
         return -1;
     }
-    if (measure_archive(it, tp) < 0)
+    it->raw = it->stype[0] == '\0';
+    if (!it->raw && measure_archive(it, tp) < 0)
         return -1;
     it->length = it->head_len + it->view.nbytes + it->tail_len;
     return 0;
@@ -689,7 +709,8 @@ static int add_file(WriteJob *self, wfile *f, PyObject *spec, uint64_t *serial,
             Py_DECREF(fast);
             return -1;
         }
-        off = (off + DCPX_ALIGN - 1) / DCPX_ALIGN * DCPX_ALIGN;
+        if (!it->raw)
+            off = (off + DCPX_ALIGN - 1) / DCPX_ALIGN * DCPX_ALIGN;
         it->offset = off;
         off += it->length;
     }

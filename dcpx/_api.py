@@ -137,7 +137,7 @@ def _default_planner(planner) -> bool:
 def fast_path_eligible(storage_writer, planner, no_dist: bool) -> bool:
     """dcpx plans the save itself: one process, default planner, dcpx storage."""
     return (_default_planner(planner) and not _dist_in_use(no_dist)
-            and isinstance(storage_writer, FileSystemWriter))
+            and isinstance(storage_writer, FileSystemWriter) and storage_writer.plain_format())
 
 
 @checkpoint_errors()  # a failure is a torch CheckpointException (dcpx.errors)
@@ -234,7 +234,7 @@ def dist_path_eligible(storage_writer, planner, no_dist: bool) -> bool:
     """dcpx coordinates the ranks itself: a process group in use, default
     planner, dcpx storage."""
     return (_default_planner(planner) and _dist_in_use(no_dist)
-            and isinstance(storage_writer, FileSystemWriter))
+            and isinstance(storage_writer, FileSystemWriter) and storage_writer.plain_format())
 
 
 def dist_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):

@@ -149,6 +149,9 @@ class _Entry(NamedTuple):
     index: MetadataIndex
     payload: Any          # bytes, or (tensor, storage_type)
     nbytes: int
+    # SAFETENSORS: a tensor's (dtype, shape) for the file's header
+    # (dcpx._fmt_safetensors); None otherwise
+    meta: Any = None
 
 
 def staged_payload(t: torch.Tensor, key: str) -> tuple:

@@ -46,7 +46,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from . import _C, _metadata
+from . import _C, _formats, _metadata
+from ._fmt_safetensors import is_raw
 from ._dtypes import _TO_DLPACK, _needs_int_view, storage_type_name
 
 MAX_CHECKPOINTS = 2
@@ -202,6 +203,11 @@ def checkpoint(reader, rank: Optional[int] = None) -> Checkpoint:
         return ck
     md = _metadata.loads(raw, key)
     reader._validate_storage(md)
+    resolved = _formats.resolve(reader.path, md)
+    if resolved is not md:
+        # SAFETENSORS entries, resolved from the data files' headers: not
+        # cached (ident None: every load reads and checks the headers again)
+        return Checkpoint(None, raw, resolved, {})
     names = {info.relative_path for info in md.storage_data.values()}
     files = {}
     for name in names:
@@ -247,6 +253,8 @@ def _indexed(reader, raw: bytes, ident: tuple, key: str) -> Optional[Checkpoint]
         sizes.append(st.st_size)
     if not _C.md_index_check(index, sizes):
         return None
+    if not _formats.plain_zip_files(reader.path, names, sizes):
+        return None  # SAFETENSORS or stream-transformed data files
     return Checkpoint(ident, raw, None, files, key, index)
 
 
@@ -321,10 +329,13 @@ def direct_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool,
         if (info is None or type(obj) not in _PLAIN_TYPES or obj.dtype is not dtype
                 or obj.shape != md.size or _needs_int_view(dtype)):
             return None
+        if getattr(info, "transform_descriptors", None):
+            return None  # compressed records are read by _dist.plan_reads' path
         fidx = files.get(info.relative_path)
         if fidx is None:
             fidx = files[info.relative_path] = len(files)
-        items.append((fidx, info.offset, info.length, storage_type_name(dtype), pos))
+        items.append((fidx, info.offset, info.length,
+                      "" if is_raw(info) else storage_type_name(dtype), pos))
     if byte_keys:
         ck.byte_info()  # kept by release()
     # The Metadata objects are not needed any more: released before the

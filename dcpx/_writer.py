@@ -3,13 +3,14 @@ The commit (metadata rename and cleanup) is dcpx._commit."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -20,9 +21,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _commit, _locks, _metadata
+from . import _commit, _fmt_safetensors, _fmt_transforms, _locks, _metadata
 from ._files import DCP_VERSION, _check_dir, local_path
-from ._pending import LazyItem, PendingWrite, _buckets, _Entry, tensor_payload, value_payload
+from ._pending import (
+    LazyItem,
+    PendingWrite,
+    _buckets,
+    _Entry,
+    check_saveable,
+    tensor_payload,
+    value_payload,
+)
 from .errors import CheckpointError
 
 
@@ -59,8 +68,13 @@ class FileSystemWriter(StorageWriter):
     and the directory are fsynced), ``thread_count`` (C writer threads, one
     file each), ``overwrite``.  ``per_thread_copy_ahead`` and
     ``cache_staged_state_dict`` are accepted for compatibility; staging is
-    done by dcpx's stager (see dcpx.staging).
+    done by dcpx's stager (see dcpx.staging).  ``serialization_format``
+    (SAFETENSORS) and ``_extensions`` (stream transforms) write torch's
+    other formats (docs/format.md).
     """
+
+    _safetensors = False          # serialization_format=SAFETENSORS
+    _extensions: Sequence = ()    # stream transforms, applied in order
 
     def __init__(
         self,
@@ -77,13 +91,18 @@ class FileSystemWriter(StorageWriter):
         **kwargs: Any,
     ) -> None:
         super().__init__()
-        if _extensions:
-            raise NotImplementedError("dcpx: stream-transform _extensions are not supported")
-        if serialization_format is not None and getattr(serialization_format, "value",
-                                                        serialization_format) != "torch_save":
+        fmt = getattr(serialization_format, "value", serialization_format) or "torch_save"
+        if fmt not in ("torch_save", "safetensors"):
+            raise ValueError(f"dcpx: unknown serialization_format {serialization_format!r}")
+        # torch's stream transforms (dcpx._fmt_transforms) and SAFETENSORS
+        # data files (dcpx._fmt_safetensors); both are written through
+        # write_entries, by torch's save path (fast_path_eligible is False)
+        self._extensions = _fmt_transforms.check_extensions(_extensions)
+        self._safetensors = fmt == "safetensors"
+        if self._safetensors and self._extensions:
             raise NotImplementedError(
-                f"dcpx: serialization_format {serialization_format} is not supported "
-                f"(only TORCH_SAVE)")
+                "dcpx: SAFETENSORS with stream-transform _extensions is not supported (torch "
+                "records transforms for tensors it writes untransformed); choose one")
         if int(thread_count) < 1:
             raise ValueError(f"dcpx: thread_count must be >= 1, got {thread_count}")
         self.path = local_path(path)
@@ -157,11 +176,9 @@ class FileSystemWriter(StorageWriter):
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 payload = data.getvalue()
-                entries.append(_Entry(item.index, payload, len(payload)))
+                entries.append(self._entry(item.index, payload, len(payload)))
             else:
-                payload = tensor_payload(data, item.index.fqn)
-                entries.append(_Entry(item.index, payload,
-                                      data.numel() * data.element_size()))
+                entries.append(self._tensor_entry(item.index, data))
         results = self.write_entries(plan.storage_data.prefix, entries).start().wait()
         fut: Future = Future()
         fut.set_result(results)
@@ -186,6 +203,40 @@ class FileSystemWriter(StorageWriter):
         return True
 
     # -- dcpx's pieces ----------------------------------------------------
+    def plain_format(self) -> bool:
+        """TORCH_SAVE records without stream transforms: the format dcpx's
+        own save paths (dcpx._plan, dcpx._dist) write.  Otherwise a save
+        takes torch's path through ``write_data``."""
+        return not self._safetensors and not self._extensions
+
+    def _entry(self, index: MetadataIndex, payload: bytes, nbytes: int) -> _Entry:
+        """A bytes item's entry: through the stream transforms, if any."""
+        if self._extensions:
+            payload, descs = _fmt_transforms.encode(payload, self._extensions)
+            return _Entry(index, payload, len(payload), tuple(descs))
+        return _Entry(index, payload, nbytes)
+
+    def _tensor_entry(self, index: MetadataIndex, t: torch.Tensor) -> _Entry:
+        """A tensor's entry in this writer's format: a TORCH_SAVE archive by
+        the C writer; the tensor's raw bytes in a SAFETENSORS file (meta:
+        dtype and shape for the header; dcpx._fmt_safetensors); or the
+        ``torch.save`` archive through the stream transforms."""
+        fqn = index.fqn
+        nbytes = t.numel() * t.element_size()
+        if self._safetensors:
+            _fmt_safetensors.name_of(t.dtype, fqn)
+            return _Entry(index, tensor_payload(t, fqn), nbytes, (t.dtype, tuple(t.shape)))
+        if self._extensions:
+            check_saveable(t, fqn)
+            t = t.detach().cpu()
+            if (not t.is_contiguous() or t.storage_offset()
+                    or t.untyped_storage().nbytes() != nbytes):
+                t = t.clone(memory_format=torch.contiguous_format)  # as torch's loader
+            buf = io.BytesIO()
+            torch.save(t, buf)
+            return self._entry(index, buf.getvalue(), nbytes)
+        return _Entry(index, tensor_payload(t, fqn), nbytes)
+
     def _metadata_path(self) -> Path:
         if self.rank is not None and not self.use_collectives:
             return self.path / f"__{self.rank}{_metadata.METADATA_FN}"
@@ -244,7 +295,16 @@ class FileSystemWriter(StorageWriter):
         else:
             groups = [[e] for e in entries]
         files = [(f"{prefix}{first + i}.distcp", g) for i, g in enumerate(groups)]
-        return PendingWrite(self, files)
+        if self._safetensors:
+            return _SafetensorsWrite(self, files)
+        pw = PendingWrite(self, files)
+        if self._extensions:
+            pw._results = [
+                WriteResult(index=e.index, size_in_bytes=length, storage_data=_StorageInfo(
+                    name, offset, length, transform_descriptors=list(e.meta) if e.meta else None))
+                for (name, ents), lay in zip(files, pw.layout)
+                for e, (offset, length) in zip(ents, lay)]
+        return pw
 
     def write_payloads(self, names: list[str], payloads: list[list],
                        base=None) -> PendingWrite:
@@ -325,23 +385,23 @@ class FileSystemWriter(StorageWriter):
             if fqn in sdm:
                 raise ValueError(f"dcpx: key {fqn!r} is given twice")
             if isinstance(value, torch.Tensor):
-                nbytes = value.numel() * value.element_size()
-                payload: Any = tensor_payload(value, fqn)
                 # The save paths' own metadata (shared properties and
                 # offsets: a compact .metadata for many tensors).
                 md = sdm[fqn] = _metadata.tensor_metadata(value, value.is_pinned())
                 index = MetadataIndex(fqn, md.chunks[0].offsets, 0)
+                entry = self._tensor_entry(index, value)
             else:
                 payload = value_payload(value, fqn)
-                nbytes = len(payload)
                 sdm[fqn] = BytesStorageMetadata()
                 index = MetadataIndex(fqn)
+                entry = self._entry(index, payload, len(payload))
+            nbytes = entry.nbytes
             if pending and pending + nbytes > file_bytes:
                 flush()
-            batch.append(_Entry(index, payload, nbytes))
+            batch.append(entry)
             held.append((fqn, value))
             pending += nbytes
-            del value, payload
+            del value, entry
         flush()
         return storage, sdm
 
@@ -365,3 +425,22 @@ class FileSystemWriter(StorageWriter):
         """Delete data files the new metadata does not reference (under the
         commit lock; dcpx._commit)."""
         _commit.remove_unreferenced(self, metadata, ino)
+
+
+class _SafetensorsWrite(PendingWrite):
+    """The data files of a SAFETENSORS save: each file's bytes items, then
+    its safetensors blob (header, then the tensors' bytes as raw C-writer
+    items: no copy, csrc/writer.c); results as torch records them."""
+
+    def __init__(self, writer: "FileSystemWriter", files: list) -> None:
+        laid, places = [], []
+        for name, ents in files:
+            payloads, where = _fmt_safetensors.file_items(ents)
+            laid.append(payloads)
+            places.append(where)
+        self._begin(writer, [name for name, _ in files], laid)
+        self.files = files
+        self._results = [
+            WriteResult(index=e.index, size_in_bytes=info.length, storage_data=info)
+            for (name, ents), lay, where in zip(files, self.layout, places)
+            for e, info in zip(ents, _fmt_safetensors.storage_infos(name, lay, where))]

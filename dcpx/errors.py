@@ -88,6 +88,12 @@ class CorruptCheckpointError(CheckpointError):
     malformed record, or metadata that contradicts the data files."""
 
 
+class UnsupportedFormatError(CheckpointError):
+    """The checkpoint is in a form this process cannot read (a stream
+    transform not registered, or without its compression package); it is
+    not damaged: the message says what to install or register."""
+
+
 class UnsafeCheckpointError(CorruptCheckpointError):
     """A pickle in the checkpoint asks for something outside dcpx's
     allow-list (it could run code); it was not loaded."""

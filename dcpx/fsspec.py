@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _metadata
+from . import _fmt_safetensors, _metadata
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .filesystem import (
     FileSystemReader,
@@ -488,9 +488,15 @@ class FsspecReader(StorageReader):
         size, so that what is fetched is at most twice what is needed; in
         bounded batches); returns the names of the files written."""
         ranges: dict[str, list] = {}
+        # a SAFETENSORS tensor's entry is its blob's start and byte count:
+        # its header and bytes lie anywhere after it (dcpx._fmt_safetensors)
+        blobs = _fmt_safetensors.candidates(self._metadata) if self._metadata else set()
         for info in infos:
-            if isinstance(info.offset, int) and isinstance(info.length, int) and info.length > 0:
+            if isinstance(info.offset, int) and isinstance(info.length, int) and (
+                    info.length > 0 or (info.relative_path, info.offset) in blobs):
                 end = min(info.offset + info.length, self._sizes.get(info.relative_path, 0))
+                if (info.relative_path, info.offset) in blobs:
+                    end = self._sizes.get(info.relative_path, 0)
                 if end > info.offset:  # else the local reader reports the bad extent
                     ranges.setdefault(info.relative_path, []).append((info.offset, end))
         pieces = []

@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 VENV=${DCPX_VENV:-.venv}
 TORCH_SPEC=${DCPX_TORCH_SPEC:-torch==2.13.0}
 TORCH_INDEX=${DCPX_TORCH_INDEX_URL:-}
-stamp="$VENV/.dcpx-deps-2"  # bumped when the dependency list changes
+stamp="$VENV/.dcpx-deps-3"  # bumped when the dependency list changes
 
 # "VERSION DIR": the torch that interpreter $1 imports and the directory it
 # is installed in; nothing when it has none.
@@ -118,7 +118,7 @@ if [ ! -f "$stamp" ]; then
     if [ "$torch_action" = install ]; then
         "$VENV/bin/python" -m pip install -q ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH_SPEC"
     fi
-    "$VENV/bin/python" -m pip install -q numpy pytest hypothesis fsspec safetensors tqdm matplotlib
+    "$VENV/bin/python" -m pip install -q numpy pytest hypothesis fsspec safetensors tqdm matplotlib zstandard
     "$VENV/bin/python" -c 'import sys, torch
 v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 sys.exit(0 if v >= (2, 4) else "setup: dcpx needs torch >= 2.4, found %s at %s (set DCPX_TORCH_SPEC, e.g. torch==2.13.0)" % (torch.__version__, torch.__file__))'
