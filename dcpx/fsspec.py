@@ -400,6 +400,7 @@ class FsspecReader(StorageReader):
         assert self._metadata is not None, "set_up_storage_reader was not called"
         with tempfile.TemporaryDirectory(prefix="dcpx-fsspec-") as tmp:
             self._sparse_files(tmp)
+            self._fetch_safetensors_headers(tmp)
             local = FileSystemReader(tmp, thread_count=self.thread_count, verify=self.verify,
                                      allow_pickle=self.allow_pickle)
             try:
@@ -458,6 +459,25 @@ class FsspecReader(StorageReader):
         for rel, size in self._sizes.items():
             with open(os.path.join(tmp, rel), "wb") as f:
                 f.truncate(size)
+
+    def _fetch_safetensors_headers(self, tmp: str) -> None:
+        """The headers of the SAFETENSORS blobs the metadata may hold (its
+        u64 length, then the JSON), fetched before the local reader is set
+        up: it recognises and checks the format there (dcpx._formats).  At
+        most 100 MB a header (safetensors' own limit); a longer or truncated
+        one is reported by the local reader."""
+        blobs = _fmt_safetensors.candidates(self._metadata) if self._metadata else set()
+        for rel, off in sorted(blobs):
+            size = self._sizes.get(rel, 0)
+            if not isinstance(off, int) or off < 0 or off + 8 > size:
+                continue
+            self._fetch_batch(tmp, [(rel, off, off + 8)])
+            with open(os.path.join(tmp, rel), "rb") as f:
+                f.seek(off)
+                n = int.from_bytes(f.read(8), "little")
+            end = min(off + 8 + min(n, 100_000_000), size)
+            if end > off + 8:
+                self._fetch_batch(tmp, [(rel, off + 8, end)])
 
     def _free(self, tmp: str, names) -> None:
         """Give back the space of the ranges fetched into ``names`` (the
