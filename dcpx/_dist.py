@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _metadata, _readplan
+from . import _metadata, _plan, _readplan
 from ._files import DCP_VERSION
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
@@ -454,6 +454,7 @@ def save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
 def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
           use_collectives: bool, prepare: Callable, write: Callable) -> Metadata:
     g = _Group(group)
+    flat = _plan.in_mesh(flat)  # a DTensor on a sub-mesh: not this rank's to write
     writer.set_up_storage_writer(g.is_coordinator, rank=g.rank, use_collectives=use_collectives)
     if not use_collectives:
         return _save_alone(writer, flat, mappings, g, prepare, write)
@@ -940,6 +941,7 @@ def _materialize_meta(original: dict) -> bool:
 def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
                ck: _readplan.Checkpoint, allow_partial_load: bool) -> bool:
     """load_flat; whether it went through a plan."""
+    flat = _plan.in_mesh(flat)  # a DTensor on a sub-mesh: not this rank's to read
     key = None if ck.no_plan else (tuple(flat), allow_partial_load)
     plan = None if key is None else _readplan.get_plan(ck, key)
     if plan is None and key is not None:
