@@ -64,3 +64,52 @@ def test_dtensor_on_a_submesh_saves_and_loads(tmp_path, saver, loader):
     for key in ("submesh_sdt", "submesh_rdt"):
         chunks = md.state_dict_metadata[key].chunks
         assert all(len(c.offsets) == 1 for c in chunks), chunks
+
+
+# --------------------------------------------------------------------------
+# 2. io.BytesIO values (torch's own tests store raw bytes so)
+
+@pytest.mark.parametrize("saver,loader", [("dcpx", "dcpx"), ("torch", "dcpx"),
+                                          ("dcpx", "torch")])
+def test_bytesio_values_round_trip(tmp_path, saver, loader):
+    """torch_dcp: test_e2e_save_and_load (DDP).  torch writes an io.BytesIO
+    value as a torch.save of it and unpickles it on load; on main dcpx
+    refused every such value (UnsafeCheckpointError ... _io.BytesIO)."""
+    import io
+    save = dcpx.save if saver == "dcpx" else dcp.save
+    load = dcpx.load if loader == "dcpx" else dcp.load
+    buf = io.BytesIO(b"\x00raw bytes\xff" * 100)
+    buf.seek(5)
+    save({"buf": buf, "empty": io.BytesIO(), "nested": {"b": io.BytesIO(b"xy")},
+          "t": torch.arange(3)}, checkpoint_id=tmp_path)
+    dest = {"buf": None, "empty": None, "nested": {"b": None}, "t": torch.zeros(3, dtype=torch.int64)}
+    load(dest, checkpoint_id=tmp_path)
+    for v in (dest["buf"], dest["empty"], dest["nested"]["b"]):
+        assert type(v) is io.BytesIO
+    assert dest["buf"].getvalue() == b"\x00raw bytes\xff" * 100 and dest["buf"].tell() == 5
+    assert dest["empty"].getvalue() == b""
+    assert dest["nested"]["b"].getvalue() == b"xy"
+    assert torch.equal(dest["t"], torch.arange(3))
+
+
+def test_bytesio_with_attributes_is_refused(tmp_path):
+    """A BytesIO's pickled state may carry a __dict__, which would shadow
+    its methods (getvalue) with what the checkpoint holds: refused."""
+    import io
+    buf = io.BytesIO(b"abc")
+    buf.getvalue = 5  # shadows the method
+    dcp.save({"buf": buf}, checkpoint_id=tmp_path)
+    with pytest.raises(dcpx.CorruptCheckpointError, match="io.BytesIO"):
+        dcpx.load({"buf": None}, checkpoint_id=tmp_path)
+
+
+def test_bytesio_inside_a_list_stays_a_bytesio_and_saves_again(tmp_path):
+    import io
+    dcp.save({"l": [io.BytesIO(b"q"), 1]}, checkpoint_id=tmp_path / "a")
+    dest = {"l": None}
+    dcpx.load(dest, checkpoint_id=tmp_path / "a")
+    assert isinstance(dest["l"][0], io.BytesIO) and dest["l"][0].getvalue() == b"q"
+    dcpx.save(dest, checkpoint_id=tmp_path / "b")  # pickles as a plain io.BytesIO
+    again = {"l": None}
+    dcp.load(again, checkpoint_id=tmp_path / "b")
+    assert type(again["l"][0]) is io.BytesIO and again["l"][0].getvalue() == b"q"
