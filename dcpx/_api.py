@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Union
 
 import torch
@@ -72,6 +73,17 @@ def _stateful_to_state_dict(state_dict: dict) -> dict:
         return dict(state_dict)
     return {k: (v.state_dict() if is_stateful(v) else v)
             for k, v in state_dict.items()}
+
+
+def as_state_dict(state_dict: Any, what: str) -> dict:
+    """The state dict a save takes: a dict (or subclass) as it is, any other
+    Mapping (a ``collections.UserDict``, which torch's save takes too) as a
+    dict of its items; anything else is a TypeError."""
+    if isinstance(state_dict, dict):
+        return state_dict
+    if isinstance(state_dict, Mapping):
+        return dict(state_dict.items())
+    raise TypeError(f"{what}: state_dict must be a dict, got {type(state_dict).__name__}")
 
 
 def _is_plain_or_value(obj: Any) -> bool:
@@ -260,8 +272,7 @@ def save(
 ) -> Metadata:
     """Save a state dict; same signature and semantics as
     ``torch.distributed.checkpoint.save``.  Returns the checkpoint Metadata."""
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"dcpx.save: state_dict must be a dict, got {type(state_dict).__name__}")
+    state_dict = as_state_dict(state_dict, "dcpx.save")
     writer = _writer_for(storage_writer, checkpoint_id)
     # Saves into one directory run one at a time, in call order: this one
     # starts once earlier ones (an async_save's upload) have finished.
@@ -296,7 +307,7 @@ def load(
     semantics as ``torch.distributed.checkpoint.load``.  Tensor data is CRC
     checked, and non-tensor values are unpickled under torch's weights_only
     allow-list unless the reader was built with ``allow_pickle=True``."""
-    if not isinstance(state_dict, dict):
+    if not isinstance(state_dict, dict) and not isinstance(state_dict, MutableMapping):
         raise TypeError(f"dcpx.load: state_dict must be a dict, got {type(state_dict).__name__}")
     reader = _reader_for(storage_reader, checkpoint_id)
     keys = sorted(state_dict.keys())
@@ -330,9 +341,11 @@ def load(
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             _torch_load(stateful_sd, storage_reader=reader, planner=planner,
                         process_group=process_group, no_dist=no_dist)
-    if not any_stateful:
+    if not any_stateful and type(state_dict) is dict:
         state_dict.update(stateful_sd)
         return
+    # As torch: through the state dict's own __setitem__ (a dict subclass,
+    # a UserDict), and a Stateful is loaded in place, never replaced.
     for k in keys:
         elem = state_dict[k]
         if is_stateful(elem):

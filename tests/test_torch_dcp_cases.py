@@ -113,3 +113,81 @@ def test_bytesio_inside_a_list_stays_a_bytesio_and_saves_again(tmp_path):
     again = {"l": None}
     dcp.load(again, checkpoint_id=tmp_path / "b")
     assert type(again["l"][0]) is io.BytesIO and again["l"][0].getvalue() == b"q"
+
+
+# --------------------------------------------------------------------------
+# 3. load sets values through the state dict's own __setitem__
+
+class _RecordingDict(dict):
+    def __init__(self) -> None:
+        super().__init__()
+        self.set_called = False
+
+    def __setitem__(self, key, value) -> None:
+        self.set_called = True
+        super().__setitem__(key, value)
+
+
+class _Foo:
+    def __init__(self) -> None:
+        self.loaded = False
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, sd) -> None:
+        self.loaded = True
+
+
+@pytest.mark.parametrize("which", ["dcpx", "torch"])
+def test_load_sets_values_through_the_state_dicts_setitem(tmp_path, which):
+    """torch_dcp: test_stateful_and_non_stateful_loads.  On main dcpx's load
+    updated a dict subclass with dict.update, around its __setitem__."""
+    save, load = (dcpx.save, dcpx.load) if which == "dcpx" else (dcp.save, dcp.load)
+    foo = _Foo()
+    sd = _RecordingDict()
+    sd["foo"] = foo
+    sd.set_called = False
+    save(sd, checkpoint_id=tmp_path / "a")
+    load(sd, checkpoint_id=tmp_path / "a")
+    assert foo.loaded and sd["foo"] is foo  # a Stateful is loaded in place
+    assert not sd.set_called
+
+    sd = _RecordingDict()
+    sd["foo"] = {"replicated": torch.rand(10, 10), "bytes": [1, 2, 3, 4]}
+    sd.set_called = False
+    save(sd, checkpoint_id=tmp_path / "b")
+    load(sd, checkpoint_id=tmp_path / "b")
+    assert sd.set_called
+
+
+@pytest.mark.parametrize("saver,loader", [("dcpx", "dcpx"), ("torch", "dcpx"),
+                                          ("dcpx", "torch")])
+def test_userdict_state_dict(tmp_path, saver, loader):
+    """torch's save and load take a collections.UserDict; on main dcpx's
+    raised TypeError."""
+    import collections
+    save = dcpx.save if saver == "dcpx" else dcp.save
+    load = dcpx.load if loader == "dcpx" else dcp.load
+    save(collections.UserDict({"a": torch.arange(4.0), "n": 3, "d": {"x": torch.ones(2)}}),
+         checkpoint_id=tmp_path)
+    dest = collections.UserDict({"a": torch.zeros(4), "n": 0, "d": {"x": torch.zeros(2)}})
+    load(dest, checkpoint_id=tmp_path)
+    assert torch.equal(dest["a"], torch.arange(4.0)) and dest["n"] == 3
+    assert torch.equal(dest["d"]["x"], torch.ones(2))
+
+
+def test_userdict_async_save(tmp_path):
+    import collections
+    dcpx.async_save(collections.UserDict({"a": torch.arange(4.0)}),
+                    checkpoint_id=tmp_path).result(timeout=120)
+    dest = {"a": torch.zeros(4)}
+    dcpx.load(dest, checkpoint_id=tmp_path)
+    assert torch.equal(dest["a"], torch.arange(4.0))
+
+
+def test_save_and_load_still_refuse_what_is_no_mapping(tmp_path):
+    with pytest.raises(TypeError, match="state_dict must be a dict"):
+        dcpx.save([torch.ones(1)], checkpoint_id=tmp_path)
+    with pytest.raises(TypeError, match="state_dict must be a dict"):
+        dcpx.load([torch.ones(1)], checkpoint_id=tmp_path)
