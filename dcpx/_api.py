@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _dist, _locks, _plan
+from . import _dist, _locks, _plan, _planner_state
 from ._files import LOCAL_PROTOCOLS, url_protocol
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
@@ -279,12 +279,18 @@ def save(
     with _locks.turn(writer):
         metadata = _save_fast(writer, state_dict, planner, no_dist)
         if metadata is not None:
+            if planner is not None:  # set up as torch's save leaves it
+                _planner_state.after_save(planner, state_dict, metadata, True, False)
             return metadata
         with paused_gc():
             sharded = dist_path_state(state_dict, writer, planner, no_dist)
         if sharded is not None:
-            return _dist.save(writer, *sharded, group=process_group,
-                              use_collectives=use_collectives)
+            metadata = _dist.save(writer, *sharded, group=process_group,
+                                  use_collectives=use_collectives)
+            if planner is not None:
+                _planner_state.after_save(planner, state_dict, metadata,
+                                          writer.is_coordinator, True)
+            return metadata
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             return _torch_save(state_dict, storage_writer=writer, planner=planner,
@@ -341,6 +347,9 @@ def load(
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             _torch_load(stateful_sd, storage_reader=reader, planner=planner,
                         process_group=process_group, no_dist=no_dist)
+    if fast and planner is not None:  # set up as torch's load leaves it
+        _planner_state.after_load(planner, stateful_sd,
+                                  not distributed or dist.get_rank(process_group) == 0, reader)
     if not any_stateful and type(state_dict) is dict:
         state_dict.update(stateful_sd)
         return

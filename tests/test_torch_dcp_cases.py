@@ -191,3 +191,42 @@ def test_save_and_load_still_refuse_what_is_no_mapping(tmp_path):
         dcpx.save([torch.ones(1)], checkpoint_id=tmp_path)
     with pytest.raises(TypeError, match="state_dict must be a dict"):
         dcpx.load([torch.ones(1)], checkpoint_id=tmp_path)
+
+
+# --------------------------------------------------------------------------
+# 4. a DefaultLoadPlanner / DefaultSavePlanner passed in is set up as torch does
+
+@pytest.mark.parametrize("which", ["dcpx", "torch"])
+def test_default_planners_passed_in_are_set_up(tmp_path, which):
+    """torch_dcp: test_version_key_in_planner_data (planner.metadata after a
+    load); on main dcpx's fast paths left the planners untouched."""
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner,
+        DefaultSavePlanner,
+    )
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan
+    save, load = (dcpx.save, dcpx.load) if which == "dcpx" else (dcp.save, dcp.load)
+    module = torch.nn.Linear(2, 2)
+    sp = DefaultSavePlanner()
+    md = save({"module": module, "step": 3}, checkpoint_id=tmp_path, planner=sp)
+    assert sp.is_coordinator is True
+    assert sorted(sp.state_dict) == ["module.bias", "module.weight", "step"]
+    assert sp.mappings["module.weight"] == ("module", "weight")
+    assert isinstance(sp.plan, SavePlan) and isinstance(sp.global_plan, list)
+    assert len(sp.global_plan) == 1 and sp.plan.items == sp.global_plan[0].items
+    assert sorted(i.index.fqn for i in sp.plan.items) == ["module.bias", "module.weight", "step"]
+    assert isinstance(sp.metadata, Metadata)
+    assert sorted(sp.metadata.state_dict_metadata) == sorted(md.state_dict_metadata)
+
+    lp = DefaultLoadPlanner()
+    new = torch.nn.Linear(2, 2)
+    dest = {"module": new, "step": 0}
+    load(dest, checkpoint_id=tmp_path, planner=lp)
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+    assert lp.metadata.version == CURRENT_DCP_VERSION
+    assert lp.is_coordinator is True
+    assert sorted(lp.state_dict) == ["module.bias", "module.weight", "step"]
+    assert lp.mappings["module.bias"] == ("module", "bias")
+    assert lp.original_state_dict["step"] == 3
+    assert torch.equal(new.weight, module.weight) and dest["step"] == 3
