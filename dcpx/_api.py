@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _dist, _locks, _plan, _planner_state
+from ._bc import positional_storage
 from ._files import LOCAL_PROTOCOLS, url_protocol
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
@@ -260,6 +261,7 @@ def dist_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
     return flat, mappings
 
 
+@positional_storage("storage_writer")  # save(sd, writer): torch warns and goes on
 def save(
     state_dict: dict[str, Any],
     *,
@@ -300,6 +302,7 @@ def save(
 
 # --------------------------------------------------------------------- load
 
+@positional_storage("storage_reader")  # load(sd, reader): torch warns and goes on
 def load(
     state_dict: dict[str, Any],
     *,

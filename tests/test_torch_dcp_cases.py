@@ -230,3 +230,32 @@ def test_default_planners_passed_in_are_set_up(tmp_path, which):
     assert lp.mappings["module.bias"] == ("module", "bias")
     assert lp.original_state_dict["step"] == 3
     assert torch.equal(new.weight, module.weight) and dest["step"] == 3
+
+
+# --------------------------------------------------------------------------
+# 5. the deprecated positional forms save(sd, writer) / load(sd, reader)
+
+@pytest.mark.parametrize("which", ["dcpx", "torch"])
+def test_positional_writer_and_reader_warn_and_work(tmp_path, which):
+    """torch warns that the argument order changed and goes on; on main
+    dcpx raised TypeError (keyword-only arguments)."""
+    mod = dcpx if which == "dcpx" else dcp
+    with pytest.warns(UserWarning, match="The argument order of save has been changed"):
+        mod.save({"a": torch.arange(3.0)}, mod.FileSystemWriter(tmp_path))
+    dest = {"a": torch.zeros(3)}
+    with pytest.warns(UserWarning, match="The argument order of load has been changed"):
+        mod.load(dest, mod.FileSystemReader(tmp_path))
+    assert torch.equal(dest["a"], torch.arange(3.0))
+    with pytest.raises(AssertionError, match="storage_writer in kwargs"):
+        with pytest.warns(UserWarning):
+            mod.save({"a": torch.ones(1)}, mod.FileSystemWriter(tmp_path),
+                     storage_writer=mod.FileSystemWriter(tmp_path))
+
+
+def test_signatures_stay_torchs():
+    import inspect
+
+    def shape(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+    assert shape(dcpx.save) == shape(dcp.save)
+    assert shape(dcpx.load) == shape(dcp.load)
