@@ -259,3 +259,56 @@ def test_signatures_stay_torchs():
         return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
     assert shape(dcpx.save) == shape(dcp.save)
     assert shape(dcpx.load) == shape(dcp.load)
+
+
+# --------------------------------------------------------------------------
+# 6. metadata naming the sharded tensor module's TensorProperties (older torch)
+
+def _rewrite_with_sharded_tensor_properties(path) -> None:
+    """Rewrite a torch-written .metadata as older torch wrote it: each
+    tensor's properties an instance of
+    torch.distributed._shard.sharded_tensor.metadata.TensorProperties."""
+    import pickle
+
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as OldTP
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    with open(path / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    for v in md.state_dict_metadata.values():
+        if isinstance(v, TensorStorageMetadata):
+            p = v.properties
+            v.properties = OldTP(dtype=p.dtype, layout=p.layout, requires_grad=p.requires_grad,
+                                 memory_format=p.memory_format, pin_memory=p.pin_memory)
+    data = pickle.dumps(md)
+    assert b"torch.distributed._shard.sharded_tensor.metadata" in data
+    with open(path / ".metadata", "wb") as f:
+        f.write(data)
+
+
+def test_metadata_with_sharded_tensor_tensor_properties_loads(tmp_path):
+    """On main dcpx refused it as unsafe (UnsafeCheckpointError); torch
+    loads it."""
+    sd = {"w": torch.arange(6.0).reshape(2, 3), "i": torch.arange(4, dtype=torch.int32),
+          "n": 5}
+    dcp.save(sd, checkpoint_id=tmp_path)
+    _rewrite_with_sharded_tensor_properties(tmp_path)
+    for load in (dcp.load, dcpx.load):
+        dest = {"w": torch.zeros(2, 3), "i": torch.zeros(4, dtype=torch.int32), "n": 0}
+        load(dest, checkpoint_id=tmp_path)
+        assert torch.equal(dest["w"], sd["w"]) and torch.equal(dest["i"], sd["i"])
+        assert dest["n"] == 5
+    md = dcpx.FileSystemReader(tmp_path).read_metadata()
+    assert md.state_dict_metadata["i"].properties.dtype == torch.int32
+
+
+def test_sharded_tensor_tensor_properties_is_no_way_around_the_allow_list(tmp_path):
+    """Only that class and its enum are allowed from that module."""
+    import pickle
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp_path)
+    _rewrite_with_sharded_tensor_properties(tmp_path)
+    # a pickle naming another global of that module is refused
+    forged = pickle.dumps(__import__("torch.distributed._shard.sharded_tensor.metadata",
+                                     fromlist=["ShardedTensorMetadata"]).ShardedTensorMetadata())
+    (tmp_path / ".metadata").write_bytes(forged)
+    with pytest.raises(dcpx.UnsafeCheckpointError, match="ShardedTensorMetadata"):
+        dcpx.FileSystemReader(tmp_path).read_metadata()
