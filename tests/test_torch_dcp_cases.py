@@ -312,3 +312,24 @@ def test_sharded_tensor_tensor_properties_is_no_way_around_the_allow_list(tmp_pa
     (tmp_path / ".metadata").write_bytes(forged)
     with pytest.raises(dcpx.UnsafeCheckpointError, match="ShardedTensorMetadata"):
         dcpx.FileSystemReader(tmp_path).read_metadata()
+
+
+# --------------------------------------------------------------------------
+# 7. an unknown URL protocol
+
+@pytest.mark.parametrize("op", ["save", "load", "async_save"])
+def test_unknown_url_protocol_raises_runtime_error_as_torch(tmp_path, op):
+    """torch raises RuntimeError ("Cannot detect which StorageReader or
+    StorageWriter to use"); on main dcpx raised ValueError."""
+    pytest.importorskip("fsspec")
+    url = "bogusproto://bucket/ckpt"
+    sd = {"a": torch.ones(1)}
+    if op != "async_save":
+        with pytest.raises(RuntimeError, match="Cannot detect which StorageReader"):
+            getattr(dcp, op)(dict(sd), checkpoint_id=url)
+    with pytest.raises(RuntimeError, match="bogusproto") as info:
+        fn = getattr(dcpx, op)
+        r = fn(dict(sd), checkpoint_id=url)
+        r.result(timeout=60)
+    assert isinstance(info.value, ValueError)  # what dcpx raised before
+    assert "Cannot detect which StorageReader or StorageWriter" in str(info.value)
