@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Union
 
 import torch
@@ -31,7 +32,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _dist, _guard, _locks, _plan
+from . import _dist, _guard, _locks, _plan, _planner_state
+from ._bc import positional_storage
 from ._files import LOCAL_PROTOCOLS, url_protocol
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
@@ -73,6 +75,17 @@ def _stateful_to_state_dict(state_dict: dict) -> dict:
         return dict(state_dict)
     return {k: (v.state_dict() if is_stateful(v) else v)
             for k, v in state_dict.items()}
+
+
+def as_state_dict(state_dict: Any, what: str) -> dict:
+    """The state dict a save takes: a dict (or subclass) as it is, any other
+    Mapping (a ``collections.UserDict``, which torch's save takes too) as a
+    dict of its items; anything else is a TypeError."""
+    if isinstance(state_dict, dict):
+        return state_dict
+    if isinstance(state_dict, Mapping):
+        return dict(state_dict.items())
+    raise TypeError(f"{what}: state_dict must be a dict, got {type(state_dict).__name__}")
 
 
 def _is_plain_or_value(obj: Any) -> bool:
@@ -249,6 +262,7 @@ def dist_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
     return flat, mappings
 
 
+@positional_storage("storage_writer")  # save(sd, writer): torch warns and goes on
 def save(
     state_dict: dict[str, Any],
     *,
@@ -262,20 +276,25 @@ def save(
     """Save a state dict; same signature and semantics as
     ``torch.distributed.checkpoint.save``.  Returns the checkpoint Metadata."""
     _guard.check_not_bootstrapping("save")  # the main script run again by spawn
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"dcpx.save: state_dict must be a dict, got {type(state_dict).__name__}")
+    state_dict = as_state_dict(state_dict, "dcpx.save")
     writer = _writer_for(storage_writer, checkpoint_id)
     # Saves into one directory run one at a time, in call order: this one
     # starts once earlier ones (an async_save's upload) have finished.
     with _locks.turn(writer):
         metadata = _save_fast(writer, state_dict, planner, no_dist)
         if metadata is not None:
+            if planner is not None:  # set up as torch's save leaves it
+                _planner_state.after_save(planner, state_dict, metadata, True, False)
             return metadata
         with paused_gc():
             sharded = dist_path_state(state_dict, writer, planner, no_dist)
         if sharded is not None:
-            return _dist.save(writer, *sharded, group=process_group,
-                              use_collectives=use_collectives)
+            metadata = _dist.save(writer, *sharded, group=process_group,
+                                  use_collectives=use_collectives)
+            if planner is not None:
+                _planner_state.after_save(planner, state_dict, metadata,
+                                          writer.is_coordinator, True)
+            return metadata
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             return _torch_save(state_dict, storage_writer=writer, planner=planner,
@@ -285,6 +304,7 @@ def save(
 
 # --------------------------------------------------------------------- load
 
+@positional_storage("storage_reader")  # load(sd, reader): torch warns and goes on
 def load(
     state_dict: dict[str, Any],
     *,
@@ -299,7 +319,7 @@ def load(
     checked, and non-tensor values are unpickled under torch's weights_only
     allow-list unless the reader was built with ``allow_pickle=True``."""
     _guard.check_not_bootstrapping("load")
-    if not isinstance(state_dict, dict):
+    if not isinstance(state_dict, dict) and not isinstance(state_dict, MutableMapping):
         raise TypeError(f"dcpx.load: state_dict must be a dict, got {type(state_dict).__name__}")
     reader = _reader_for(storage_reader, checkpoint_id)
     # An async_save into this directory still uploading: its commit first.
@@ -338,9 +358,14 @@ def load(
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             _torch_load(stateful_sd, storage_reader=reader, planner=planner,
                         process_group=process_group, no_dist=no_dist)
-    if not any_stateful:
+    if fast and planner is not None:  # set up as torch's load leaves it
+        _planner_state.after_load(planner, stateful_sd,
+                                  not distributed or dist.get_rank(process_group) == 0, reader)
+    if not any_stateful and type(state_dict) is dict:
         state_dict.update(stateful_sd)
         return
+    # As torch: through the state dict's own __setitem__ (a dict subclass,
+    # a UserDict), and a Stateful is loaded in place, never replaced.
     for k in keys:
         elem = state_dict[k]
         if is_stateful(elem):

@@ -40,6 +40,7 @@ from ._api import (
     _dist_in_use,
     _stateful_to_state_dict,
     _writer_for,
+    as_state_dict,
     dist_path_eligible,
     dist_path_state,
     fast_path_eligible,
@@ -241,9 +242,7 @@ def async_save(
     change its tensors: the checkpoint holds the values of the call.
     """
     _guard.check_not_bootstrapping("async_save")  # the main script run again by spawn
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"dcpx.async_save: state_dict must be a dict, got "
-                        f"{type(state_dict).__name__}")
+    state_dict = as_state_dict(state_dict, "dcpx.async_save")
     if _dist_in_use(no_dist):
         pg = process_group or dist.distributed_c10d._get_default_group()
         if torch.device("cpu") not in pg._device_types:

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _chunks, _metadata, _readplan
+from . import _chunks, _metadata, _plan, _readplan
 from ._files import DCP_VERSION
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
@@ -456,6 +456,7 @@ def save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
 def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
           use_collectives: bool, prepare: Callable, write: Callable) -> Metadata:
     g = _Group(group)
+    flat = _plan.in_mesh(flat)  # a DTensor on a sub-mesh: not this rank's to write
     writer.set_up_storage_writer(g.is_coordinator, rank=g.rank, use_collectives=use_collectives)
     if not use_collectives:
         return _save_alone(writer, flat, mappings, g, prepare, write)
@@ -1016,6 +1017,7 @@ def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRea
     legacy = legacy_layout(original, flat, ck.byte_info())  # a torch <= 2.3 checkpoint
     if legacy is not None:
         flat, mappings = legacy
+    flat = _plan.in_mesh(flat)  # a DTensor on a sub-mesh: not this rank's to read
     key = None if ck.no_plan else (tuple(flat), allow_partial_load)
     plan = None if key is None else _readplan.get_plan(ck, key)
     if plan is None and key is not None:

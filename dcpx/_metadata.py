@@ -263,10 +263,28 @@ def _allowed() -> dict:
         obj = getattr(torch, name, None)
         if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
             allow[("torch", name)] = obj
+    # Older torch wrote the sharded tensor module's TensorProperties (and its
+    # memory-format enum) into .metadata; torch still loads it as that class.
+    # Its __setstate__ takes the same 5-tuple and runs no other code.
+    try:
+        from torch.distributed._shard.sharded_tensor import metadata as st_md
+    except ImportError:  # a torch without it
+        st_md = None
+    for name in ("TensorProperties", "MEM_FORMAT_ENCODING"):
+        if hasattr(st_md, name):
+            allow[("torch.distributed._shard.sharded_tensor.metadata", name)] = \
+                getattr(st_md, name)
     return allow
 
 
 _ALLOWED: dict | None = None
+
+
+def _allowed_globals() -> dict:
+    global _ALLOWED
+    if _ALLOWED is None:
+        _ALLOWED = _allowed()
+    return _ALLOWED
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -341,6 +359,8 @@ def _validate(md: Any) -> None:
         raise TypeError("state_dict_metadata and storage_data must be dicts")
     TSM, BSM, CSM = _md.TensorStorageMetadata, _md.BytesStorageMetadata, _md.ChunkStorageMetadata
     Size, TP = torch.Size, _md.TensorProperties
+    old_tp = _allowed_globals().get(("torch.distributed._shard.sharded_tensor.metadata",
+                                     "TensorProperties"), TP)
     good_props: set = set()
     for fqn, m in md.state_dict_metadata.items():
         if type(fqn) is not str:
@@ -349,7 +369,8 @@ def _validate(md: Any) -> None:
         if tm is TSM:
             p, size, chunks = m.properties, m.size, m.chunks
             if id(p) not in good_props:
-                if not (type(p) is TP and isinstance(p.dtype, torch.dtype)):
+                if not ((type(p) is TP or type(p) is old_tp)
+                        and isinstance(p.dtype, torch.dtype)):
                     raise TypeError(f"tensor metadata of {fqn!r} is malformed")
                 good_props.add(id(p))  # p stays alive in md while this runs
             if not (type(size) is Size and type(chunks) is list):

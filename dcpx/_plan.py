@@ -71,6 +71,20 @@ def is_dtensor(obj: Any) -> bool:
     return DTensor is not None and isinstance(obj, DTensor)
 
 
+def in_mesh(flat: dict) -> dict:
+    """``flat`` without the DTensors whose mesh does not include this rank
+    (a sub-mesh): this rank holds nothing of them, and, as torch's default
+    planners do (``create_default_local_save_plan`` / ``_load_plan``), it
+    neither writes nor reads them.  ``flat`` itself when there are none."""
+    if DTensor is None or not any(issubclass(t, DTensor) for t in set(map(type, flat.values()))):
+        return flat
+    outside = [k for k, v in flat.items()
+               if isinstance(v, DTensor) and v.device_mesh.get_coordinate() is None]
+    if not outside:
+        return flat
+    return {k: v for k, v in flat.items() if k not in set(outside)}
+
+
 def plain_tensor(obj: Any) -> bool:
     """A tensor dcpx saves as its own memory: torch.Tensor, Parameter, or a
     subclass that is not a wrapper carrying its own layout (DTensor,

@@ -54,7 +54,12 @@ class _Worker:
     def __init__(self) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True,
+        # This process's pid goes as an argument: the worker cannot take it
+        # from os.getppid() once started, as this process may have died by
+        # then (spawning imports torch: seconds), and the worker would then
+        # take its new parent (init, a subreaper) for the one that handed it
+        # its saves (_orphan_check).
+        self.proc = ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True,
                                 name="dcpx-checkpoint-process")
         self.proc.start()
         child.close()
@@ -256,7 +261,11 @@ class _Worker:
                             sorted(self.sent_buffers))
         else:
             payload = staged
-        return self._call(("torch", writer, planner, use_collectives, payload),
+        from ._writer import FileSystemWriter
+        # dcpx's writer commits in the checkpoint process: the same orphan
+        # check as the fast path's (_orphan_check).
+        committed = writer._committed_id() if isinstance(writer, FileSystemWriter) else False
+        return self._call(("torch", writer, planner, use_collectives, payload, committed),
                           f"saving to {_where(writer)}",
                           {"storage writer": writer, "planner": planner, "state dict": staged})
 
@@ -450,6 +459,27 @@ def _orphan_check(parent: int, committed: Optional[tuple], writer) -> Optional[s
             f"it is kept")
 
 
+def _abandon_if_orphaned(writer, parent: int) -> None:
+    """A foreign StorageWriter takes no commit lock, so whether a newer
+    checkpoint was committed since cannot be checked atomically: once the
+    process that handed the save over has died, its ``finish`` (the
+    commit) is not called at all."""
+    finish = writer.finish
+
+    def checked_finish(*args: Any, **kwargs: Any) -> Any:
+        if os.getppid() != parent:
+            raise RuntimeError(
+                f"dcpx: {_where(writer)}: not committed: the process that started this save "
+                f"(pid {parent}) has exited, and {type(writer).__name__} takes no commit lock "
+                f"to tell whether a newer checkpoint was committed there since")
+        return finish(*args, **kwargs)
+
+    try:
+        writer.finish = checked_finish
+    except (AttributeError, TypeError):  # __slots__: committed unchecked, as before
+        pass
+
+
 def _writer_from(config: dict, parent: int):
     """The FileSystemWriter a request describes."""
     from ._writer import FileSystemWriter
@@ -461,10 +491,9 @@ def _writer_from(config: dict, parent: int):
     return writer
 
 
-def _worker_main(conn) -> None:
+def _worker_main(conn, parent: int) -> None:
     from ._api import save
     _guard.worker_running = True  # dcpx calls from here on are the worker's own
-    parent = os.getppid()
     buffers: dict[int, torch.Tensor] = {}
     layouts: dict[int, _StagedViews] = {}  # per buffer serial: its staged layout
     cwd: Optional[str] = None  # the parent's working directory (_Worker._sync_cwd)
@@ -493,7 +522,7 @@ def _worker_main(conn) -> None:
                 _, config, staged = msg
                 result = save(staged, storage_writer=_writer_from(config, parent))
             elif kind in ("torch", "write_data"):  # any writer / planner
-                result = _torch_request(msg, buffers)
+                result = _torch_request(msg, buffers, parent)
             elif kind == "write":  # one rank's entries of a multi-process save
                 _, config, number, prefix, tensors, others, live = msg
                 for gone in set(buffers) - set(live):
@@ -604,7 +633,7 @@ def _write_entries(writer, base: Optional[torch.Tensor], prefix: str, tensors, o
     return write_files(writer, prefix, entries)
 
 
-def _torch_request(msg: tuple, buffers: dict) -> Any:
+def _torch_request(msg: tuple, buffers: dict, parent: int) -> Any:
     """A save with a foreign StorageWriter or a custom planner, driven by
     torch's save (``torch``), or one rank's ``write_data`` (``write_data``)."""
     if msg[0] == "write_data":
@@ -613,7 +642,12 @@ def _torch_request(msg: tuple, buffers: dict) -> Any:
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
     from ._api import save
-    _, writer, planner, use_collectives, staged = msg
+    _, writer, planner, use_collectives, staged, committed = msg
+    from ._writer import FileSystemWriter
+    if isinstance(writer, FileSystemWriter) and committed is not False:
+        writer._commit_check = lambda w: _orphan_check(parent, committed, w)
+    elif not isinstance(writer, FileSystemWriter):
+        _abandon_if_orphaned(writer, parent)
     if isinstance(staged, tuple) and staged and staged[0] == "shared":
         _, number, tensors, values, mappings, live = staged
         for gone in set(buffers) - set(live):  # freed by the parent

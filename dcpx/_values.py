@@ -17,7 +17,8 @@ and safe loading", has the list and the reasons):
 * dcpx's own narrow list of code-free types that training state is made of:
   numpy arrays, scalars and dtypes (under both ``numpy.core`` and
   ``numpy._core`` names, so that numpy 1.x and 2.x checkpoints load with
-  either), ``frozenset``, ``collections.deque`` and ``argparse.Namespace``.
+  either), ``frozenset``, ``collections.deque``, ``argparse.Namespace`` and
+  ``io.BytesIO`` (bytes and a position only).
 
 Anything else raises UnsafeCheckpointError naming the exact global and both
 ways to allow it, before the global is looked up.  Modules torch blocks even
@@ -68,6 +69,37 @@ def _numpy_globals() -> dict[str, Any]:
     return out
 
 
+class _PickledBytesIO(io.BytesIO):
+    """What ``_io.BytesIO`` in a value's pickle resolves to (torch's DCP
+    stores an ``io.BytesIO`` value as a ``torch.save`` of it; its own load
+    unpickles it).  A BytesIO's pickled state is (its bytes, its position,
+    its ``__dict__``); a ``__dict__`` holding anything would shadow its
+    methods with whatever the checkpoint put there, so only an empty one is
+    taken.  ``loads`` hands back a plain ``io.BytesIO`` for a value that is
+    one; nested in a container it stays this subclass, which pickles again
+    as a plain ``io.BytesIO``."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        if not (type(state) is tuple and len(state) == 3 and type(state[0]) is bytes
+                and type(state[1]) is int and state[1] >= 0 and state[2] in (None, {})):
+            raise pickle.UnpicklingError(
+                "io.BytesIO: its pickled state is not (bytes, position, no attributes)")
+        super().__setstate__((state[0], state[1], None))
+
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        return io.BytesIO, (), (self.getvalue(), self.tell(), None)
+
+
+def _plain_bytesio(value: Any) -> Any:
+    if type(value) is _PickledBytesIO:
+        out = io.BytesIO(value.getvalue())
+        out.seek(value.tell())
+        return out
+    return value
+
+
 _DCPX_GLOBALS: Optional[dict[str, Any]] = None
 
 
@@ -84,6 +116,8 @@ def dcpx_safe_globals() -> dict[str, Any]:
         # __dict__ update (no __init__, no __setstate__); its values pass
         # this same allow-list.
         g["argparse.Namespace"] = argparse.Namespace
+        # An in-memory byte buffer: bytes and a position (_PickledBytesIO).
+        g["_io.BytesIO"] = _PickledBytesIO
         _DCPX_GLOBALS = g
     return _DCPX_GLOBALS
 
@@ -234,8 +268,8 @@ def loads(data: bytes, where: str, allow_pickle: bool = False) -> Any:
     try:
         if _forced_weights_only():
             return torch.load(io.BytesIO(data), weights_only=True)
-        return torch.load(io.BytesIO(data), weights_only=False,
-                          pickle_module=_restricted_pickle)
+        return _plain_bytesio(torch.load(io.BytesIO(data), weights_only=False,
+                                         pickle_module=_restricted_pickle))
     except _Refused as e:
         raise _refusal(where, e, data) from None
     except pickle.UnpicklingError as e:

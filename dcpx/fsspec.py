@@ -96,8 +96,16 @@ def url_to_fs(url: Union[str, os.PathLike], options: dict) -> tuple:
             f"dcpx: checkpoint {url!r}: the fsspec backend for {proto}:// is not "
             f"installed ({e})") from e
     except ValueError as e:
-        raise ValueError(
-            f"dcpx: checkpoint {url!r}: fsspec knows no protocol {proto!r} ({e})") from e
+        raise UnknownProtocolError(
+            f"dcpx: checkpoint {url!r}: fsspec knows no protocol {proto!r} ({e}). Cannot "
+            f"detect which StorageReader or StorageWriter to use. Please specify the "
+            f"storage_reader/storage_writer.") from e
+
+
+class UnknownProtocolError(RuntimeError, ValueError):
+    """A checkpoint URL whose protocol fsspec does not know: a RuntimeError,
+    as torch's save / load raise there ("Cannot detect which StorageReader
+    or StorageWriter to use"), and a ValueError, as dcpx raised before."""
 
 
 def _validate_url(checkpoint_id: Union[str, os.PathLike]) -> bool:
