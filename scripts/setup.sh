@@ -125,7 +125,8 @@ sys.exit(0 if v >= (2, 4) else "setup: dcpx needs torch >= 2.4, found %s at %s (
     touch "$stamp"
 fi
 # Rebuild the extension every time: it takes seconds and follows the sources.
-rm -f dcpx/_C*.so
+# The new dcpx/_C*.so replaces the old one by a rename (setup.py's build_ext),
+# so a process importing dcpx meanwhile loads the old build or the new one.
 DCPX_WERROR=${DCPX_WERROR:-1} "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
 (
     . scripts/sanitizer_env.sh
