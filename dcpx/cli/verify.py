@@ -3,10 +3,6 @@ from __future__ import annotations
 
 import sys
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..filesystem import FileSystemReader, check_zip_crcs, read_regular
 from ._common import progress
 
 HELP = "check every record of a checkpoint (CRC-32s, values, extents)"
@@ -15,6 +11,7 @@ HELP = "check every record of a checkpoint (CRC-32s, values, extents)"
 def _check_archive(reader: FileSystemReader, info) -> None:
     """CRC-check every record of a tensor's zip archive, not only the ones
     load reads (load checks data.pkl and the tensor bytes)."""
+    from ..filesystem import check_zip_crcs, read_regular
     raw = read_regular(reader.path / info.relative_path, info.offset, info.length)
     check_zip_crcs(raw, f"{reader.path / info.relative_path} at offset {info.offset}")
 
@@ -26,6 +23,15 @@ def verify_checkpoint(path: str, out=None, *, show_progress: bool = False) -> in
 
     Raises IncompleteCheckpointError / NotADirectoryError when there is no
     checkpoint at ``path`` at all (exit status 2)."""
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+    from ..filesystem import FileSystemReader
+
     out = out or sys.stdout  # looked up per call: redirect_stdout works
     reader = FileSystemReader(path)
     problems = 0
