@@ -112,7 +112,7 @@ setup(
         Extension(
             "dcpx._C",
             sources=SOURCES,
-            depends=["csrc/dcpx.h", "csrc/cuda_api.h", "csrc/cuda_min.h"],
+            depends=sorted(glob.glob("csrc/*.h")),
             include_dirs=include_dirs,
             libraries=["dl"],
             extra_compile_args=cflags,

@@ -122,3 +122,44 @@ def test_inplace_rebuild_swaps_the_extension_with_a_rename(tmp_path):
                       if ".so" in p.name) == [target.name], "a temporary file was left"
     finally:
         old.close()
+
+
+def _set_up_venv(tmp_path: Path) -> Path:
+    """A copy of scripts/ beside a .venv that setup.sh takes as set up (its
+    stamp present), whose python is this one (with this torch)."""
+    import re
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "scripts", repo / "scripts")
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    py = repo / ".venv" / "bin" / "python"
+    py.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    py.chmod(0o755)
+    stamp = re.search(r'stamp="\$VENV/([^"]+)"', (ROOT / "scripts" / "setup.sh").read_text())
+    (repo / ".venv" / stamp.group(1)).touch()
+    return repo
+
+
+def _setup_dry_run(repo: Path, **env: str) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items()
+         if not k.startswith("DCPX_") and k not in ("PYTHON", "LD_PRELOAD")}
+    e.update(env, DCPX_SETUP_DRY_RUN="1")
+    return subprocess.run(["bash", str(repo / "scripts" / "setup.sh")], env=e,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_torch_choice_for_an_existing_venv_is_not_ignored_silently(tmp_path):
+    import torch
+    repo = _set_up_venv(tmp_path)
+    run = _setup_dry_run(repo, DCPX_TORCH_SPEC="torch==2.8.0")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert f"already set up, with torch {torch.__version__}" in run.stderr
+    assert "rm -rf .venv" in run.stderr and "DCPX_TORCH_SPEC=torch==2.8.0" in run.stderr
+    # the torch it has: fine, with a note
+    base = torch.__version__.split("+")[0]
+    run = _setup_dry_run(repo, DCPX_TORCH_SPEC=f"torch=={base}")
+    assert run.returncode == 0, run.stderr
+    assert "apply only when it is created" in run.stderr
+    run = _setup_dry_run(repo, DCPX_TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu")
+    assert run.returncode == 0 and "apply only when it is created" in run.stderr, run.stderr
+    run = _setup_dry_run(repo)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
