@@ -122,7 +122,7 @@ def flatten(obj: Any) -> Iterator[tuple[tuple, Any]]:
     if not isinstance(obj, Mapping):
         yield (), obj
         return
-    from .._flatten import flatten_state_dict
+    from ..filesystem import flatten_state_dict
     flat, paths = flatten_state_dict(obj)
     for key, leaf in flat.items():
         yield tuple(paths.get(key, (key,))), leaf
