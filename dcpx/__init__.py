@@ -7,29 +7,34 @@ a C core for the I/O, CRC-32 integrity checks on load, a crash-safe commit
 and safe loading of untrusted checkpoints.  See docs/ for details.
 """
 import sys as _sys
+import threading as _threading
 
 __version__ = "0.1.0"
 
-#: set while dcpx._exports is being imported
+#: set while dcpx._exports is being imported (by the thread holding _lock)
 _loading = False
+_lock = _threading.RLock()
 
 
 def _load() -> None:
     """Import dcpx's API (and torch): dcpx._exports, whose names become this
-    package's.  Everything ``import dcpx`` imported before it was lazy, in
+    package's: what ``import dcpx`` imported at once before it was lazy, in
     the same order."""
     global _loading
-    if "__all__" in globals() or _loading:
+    if "__all__" in globals():
         return
-    _loading = True
-    try:
-        from . import _exports
-    finally:
-        _loading = False
-    g = globals()
-    for name in _exports.__all__:
-        g[name] = getattr(_exports, name)
-    g["__all__"] = _exports.__all__
+    with _lock:    # another thread's first use waits for this one's
+        if "__all__" in globals() or _loading:
+            return
+        _loading = True
+        try:
+            from . import _exports
+        finally:
+            _loading = False
+        g = globals()
+        for name in _exports.__all__:
+            g[name] = getattr(_exports, name)
+        g["__all__"] = _exports.__all__
 
 
 def __getattr__(name: str):

@@ -367,3 +367,21 @@ def test_import_dcpx_is_lazy_and_complete():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=_env(), timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_first_use_from_many_threads_at_once():
+    script = (
+        "import sys, threading\nimport dcpx\n"
+        "assert 'torch' not in sys.modules\n"
+        "start, got, errors = threading.Barrier(8), [], []\n"
+        "def use(name):\n"
+        "    start.wait()\n"
+        "    try:\n        got.append(getattr(dcpx, name))\n"
+        "    except Exception as e:\n        errors.append(repr(e))\n"
+        "names = ['save', 'load', 'CheckpointManager', 'FileSystemWriter'] * 2\n"
+        "ts = [threading.Thread(target=use, args=(n,)) for n in names]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "assert not errors and len(got) == 8, errors\n")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=_env(), timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
