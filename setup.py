@@ -13,8 +13,10 @@ Environment switches:
 """
 import glob
 import os
+import shutil
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext as _build_ext
 
 SOURCES = [
     "csrc/module.c",
@@ -80,12 +82,37 @@ if cuda_inc is not None:
     include_dirs.append(cuda_inc)
     cflags.append("-DDCPX_HAVE_CUDA_H")
 
+class build_ext(_build_ext):
+    """build_ext whose in-place copy (``--inplace``, ``pip install -e``)
+    swaps the new ``dcpx/_C*.so`` in with one rename: distutils' copy
+    truncates and rewrites the file where it is, so a process importing
+    dcpx meanwhile would find no or half an extension (a misleading
+    "partially initialized module" error) and one that has it mapped could
+    crash.  After the rename, a process sees the old file or the new one."""
+
+    def copy_file(self, infile, outfile, *args, **kwargs):
+        if os.path.isdir(outfile):
+            outfile = os.path.join(outfile, os.path.basename(infile))
+        if not outfile.endswith(".so") or kwargs.get("dry_run") or self.dry_run:
+            return super().copy_file(infile, outfile, *args, **kwargs)
+        tmp = "%s.%d.tmp" % (outfile, os.getpid())
+        try:
+            shutil.copyfile(infile, tmp)
+            shutil.copymode(infile, tmp)
+            os.replace(tmp, outfile)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return outfile, 1
+
+
 setup(
+    cmdclass={"build_ext": build_ext},
     ext_modules=[
         Extension(
             "dcpx._C",
             sources=SOURCES,
-            depends=["csrc/dcpx.h", "csrc/cuda_api.h", "csrc/cuda_min.h"],
+            depends=sorted(glob.glob("csrc/*.h")),
             include_dirs=include_dirs,
             libraries=["dl"],
             extra_compile_args=cflags,

@@ -43,6 +43,12 @@ def _load_json(path):
         return json.load(f)
 
 
+def ratio_label(r):
+    """A ratio as a label that never reads 0.00x: two decimals, or two
+    significant digits below 0.1 (0.0019x)."""
+    return f"{r:.2f}x" if r >= 0.1 else f"{r:.2g}x"
+
+
 def _short_date(s):
     return str(s)[:10]
 
@@ -106,7 +112,7 @@ def plot_io(path, out_dir):
                 x = gi + (bi - 1) * width
                 ax.bar(x, v, width, color=color, label=name if gi == 0 or bi == 2 else None,
                        hatch="//" if bi == 2 else None, edgecolor="white" if bi != 2 else "black")
-                text = f"{v:.2f}" if bi == 2 else f"{v:.2f}\n{v / limit:.2f}x"
+                text = f"{v:.2f}" if bi == 2 else f"{v:.2f}\n{ratio_label(v / limit)}"
                 ax.annotate(text, (x, v), ha="center", va="bottom", fontsize=8,
                             xytext=(0, 2), textcoords="offset points")
         ax.set_xticks([0, 1])

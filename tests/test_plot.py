@@ -61,3 +61,16 @@ def test_parse_md_tables():
     assert plot.parse_md_tables(text) == [[{"a": "x", "b": "1.5 s"}, {"a": "y", "b": "2"}]]
     with pytest.raises(ValueError, match="no number"):
         plot._num("n/a")
+
+
+def test_ratio_labels_never_read_zero():
+    """io_throughput.png labelled torch's small-tensor load '0.00x' (0.04 GB/s
+    against an 18.5 GB/s read limit)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import plot
+    finally:
+        sys.path.pop(0)
+    assert plot.ratio_label(0.04 / 18.48) == "0.0022x"
+    assert plot.ratio_label(0.8) == "0.80x" and plot.ratio_label(1.0) == "1.00x"
+    assert plot.ratio_label(0.02) == "0.02x"

@@ -3,7 +3,8 @@
 
     dcpx ls ROOT            the checkpoints under ROOT (step-N folders and any
                             other checkpoint): step, size, committed, age
-    dcpx inspect CKPT       what is in it: keys, dtypes, shapes, shards, files
+    dcpx inspect CKPT       what is in it: keys, dtypes, shapes, shards, files,
+                            values (safely unpickled), damage
     dcpx verify CKPT        read every record and check its CRC-32, one line
                             for each problem found
     dcpx diff A B           keys added or removed, dtype and shape changes;
@@ -11,10 +12,12 @@
     dcpx convert SRC DST    between DCP, torch.save and safetensors (single
                             file or sharded), streaming with bounded memory
 
-One module per command (dcpx/cli/<command>.py: add_parser, run), sharing one
-reader (dcpx/cli/_common.py).  Metadata is read with dcpx's safe unpickler:
-looking at an untrusted checkpoint never runs code from it.  Progress bars
-(tqdm, when installed) go to stderr, only when it is a terminal.
+One module per command (dcpx/cli/<command>.py: HELP, add_parser, run),
+sharing one reader (dcpx/cli/_common.py); a command's module is imported
+only when that command runs, so --help and --version do not import torch.
+Metadata is read with dcpx's safe unpickler: looking at an untrusted
+checkpoint never runs code from it.  Progress bars (tqdm, when installed)
+go to stderr, only when it is a terminal.
 
 Exit status: 0 the checkpoint is sound (verify: every record read and
 checked), no difference (diff), done (ls, inspect, convert);
@@ -29,31 +32,73 @@ a directory, or has no .metadata (never committed).
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
+import importlib.util
 import pickle
 import sys
 from typing import Optional, Sequence
 
-from ..errors import CheckpointError, IncompleteCheckpointError
-from . import convert, diff, inspect, ls, verify
-from ._common import CliError, NoCheckpoint
-
-COMMANDS = (ls, inspect, verify, diff, convert)
+#: the commands, in --help's order: dcpx/cli/<name>.py each
+NAMES = ("ls", "inspect", "verify", "diff", "convert")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _help_of(name: str) -> str:
+    """The module's ``HELP`` string, read from its source without importing
+    it (a command module may import torch, which takes seconds)."""
+    spec = importlib.util.find_spec(f"{__name__}.{name}")
+    try:
+        with open(spec.origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and getattr(node.targets[0], "id", None) == "HELP"):
+                return ast.literal_eval(node.value)
+    except (OSError, SyntaxError, ValueError, TypeError, AttributeError):
+        pass
+    return importlib.import_module(f"{__name__}.{name}").HELP
+
+
+def build_parser(only: Optional[Sequence[str]] = None) -> argparse.ArgumentParser:
+    """The ``dcpx`` parser.  ``only``: the commands whose modules are
+    imported for their full parsers (default: all); the others are listed
+    by name and help line only, which is all ``dcpx --help`` shows."""
+    import dcpx     # its version only: the package imports torch on first use of its API
     exit_status = __doc__.split("\n\n")[-1].strip()
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="dcpx", description=__doc__.split("\n\n")[0] + "\n\n"
                                 + __doc__.split("\n\n")[1], epilog=exit_status,
                                 formatter_class=fmt)
+    p.add_argument("--version", action="version", version=f"dcpx {dcpx.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    for mod in COMMANDS:
-        mod.add_parser(sub, epilog=exit_status, formatter_class=fmt)
+    for name in NAMES:
+        if only is None or name in only:
+            mod = importlib.import_module(f"{__name__}.{name}")
+            mod.add_parser(sub, epilog=exit_status, formatter_class=fmt)
+        else:
+            sub.add_parser(name, help=_help_of(name), add_help=False)
     return p
 
 
+def _command(argv: Sequence[str]) -> Optional[str]:
+    """The command named on the command line (the first argument that is
+    not an option: the top level takes no option with a value)."""
+    for a in argv:
+        if a == "--":
+            return None
+        if not a.startswith("-"):
+            return a if a in NAMES else None
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)  # usage errors: exit status 2 (argparse)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = _command(argv)
+    # usage errors: exit status 2 (argparse); only the command given is
+    # imported (with torch), so --help and --version answer at once
+    args = build_parser(only=[cmd] if cmd else []).parse_args(argv)
+    from ..errors import CheckpointError, IncompleteCheckpointError
+    from ._common import CliError, NoCheckpoint
     try:
         return args.run(args)
     except (IncompleteCheckpointError, NotADirectoryError, FileNotFoundError, NoCheckpoint) as e:

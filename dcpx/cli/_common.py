@@ -23,15 +23,15 @@ import sys
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from .._byteorder import archive_byteorder, swap_untyped, tensors_in
-from .._flatten import flatten_state_dict
-from ..errors import IncompleteCheckpointError
-from ..filesystem import METADATA_FN
+# torch and dcpx's reader are imported where they are used, so that ``dcpx
+# --help`` (which imports every command's parser) does not import torch.
 
+METADATA_FN = ".metadata"    # dcpx.filesystem.METADATA_FN (which imports torch)
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -115,14 +115,21 @@ class Entry(NamedTuple):
         return self.dtype is not None
 
 
-def flatten(obj: Any, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    """(path, leaf) of nested mappings, as DCP flattens a state dict: the
-    FQN is the path joined with '.'."""
-    if isinstance(obj, Mapping) and (obj or not prefix):
-        for k, v in obj.items():
-            yield from flatten(v, prefix + (k,))
-    else:
-        yield prefix, obj
+def flatten(obj: Any) -> Iterator[tuple[tuple, Any]]:
+    """(path, leaf) of a loaded state dict, flattened exactly as DCP
+    flattens it on save (dcpx's ``flatten_state_dict``, torch's rules:
+    nested mappings, and lists that hold tensors or mappings, become keys
+    ``a.b.0.c``; tuples, empty containers and other lists stay values), so
+    a ``torch.save`` file and a DCP checkpoint of one state dict have the
+    same keys.  Anything but a mapping at the top is the one value at the
+    path ()."""
+    if not isinstance(obj, Mapping):
+        yield (), obj
+        return
+    from ..filesystem import flatten_state_dict
+    flat, paths = flatten_state_dict(obj)
+    for key, leaf in flat.items():
+        yield tuple(paths.get(key, (key,))), leaf
 
 
 def fqn(path: tuple) -> str:
@@ -225,6 +232,9 @@ class TorchSource(Source):
     kind = "torch"
 
     def __init__(self, path: Path):
+        import torch
+
+        from .._byteorder import archive_byteorder, swap_untyped, tensors_in
         self.path = Path(path)
         self.mapped = True
         if zipfile.is_zipfile(self.path):
@@ -249,18 +259,16 @@ class TorchSource(Source):
         swap_untyped(tensors_in(obj), order)
         self._values: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
-        if isinstance(obj, dict) and obj:
-            # A state dict: flattened as DCP (torch >= 2.4) flattens it, so
-            # that a DCP output loads with dcpx.load / torch's load into the
-            # same nested state dict (lists of dicts, e.g. an optimizer's
-            # param_groups, down to their leaves; not as one value, which
-            # only torch's 2.3 fallback would find).
-            try:
-                self._values, self._paths = flatten_state_dict(obj)
-            except ValueError as e:  # two entries flatten to one key
-                raise CliError(f"{self.path}: {e}") from None
-            return
-        for p, leaf in flatten(obj):
+        # A state dict is flattened as DCP (torch >= 2.4) flattens it, so
+        # that a DCP output loads with dcpx.load / torch's load into the
+        # same nested state dict (lists of dicts, e.g. an optimizer's
+        # param_groups, down to their leaves; not as one value, which only
+        # torch's 2.3 fallback would find).
+        try:
+            flat = list(flatten(obj))
+        except ValueError as e:      # torch's "duplicated flatten key a.b"
+            raise CliError(f"{self.path}: two entries flatten to the same key ({e})") from e
+        for p, leaf in flat:
             key = fqn(p)
             if key in self._values:
                 raise CliError(f"{self.path}: two entries flatten to the key {key!r}")
@@ -268,6 +276,7 @@ class TorchSource(Source):
             self._paths[key] = p
 
     def entries(self) -> dict[str, Entry]:
+        import torch
         out = {}
         for k, v in self._values.items():
             if isinstance(v, torch.Tensor):
@@ -283,6 +292,7 @@ class TorchSource(Source):
         return self._values[key]
 
     def release(self, key: str, value: Any) -> None:
+        import torch
         if self.mapped and not self.swapped and isinstance(value, torch.Tensor):
             release_pages(value, self.path)
 
@@ -486,6 +496,7 @@ def _safetensors_dtype(name: str, key: str) -> torch.dtype:
 
 def detect(path: Path) -> str:
     """'dcp', 'safetensors' or 'torch' for an existing input path."""
+    from ..errors import IncompleteCheckpointError
     if path.is_dir():
         if (path / METADATA_FN).exists():
             return "dcp"

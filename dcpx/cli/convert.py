@@ -318,6 +318,15 @@ def _weights_only_refusal(v: Any) -> Optional[str]:
     return None
 
 
+def _storage_bytes(t: torch.Tensor) -> Any:
+    """The untyped storage holding exactly the bytes of ``t`` (contiguous):
+    its own storage, or a slice of it, which shares its memory."""
+    st = t.untyped_storage()
+    n = t.numel() * t.element_size()
+    off = t.storage_offset() * t.element_size()
+    return st if off == 0 and st.nbytes() == n else st[off:off + n]
+
+
 def _check_loads(tmp: Path, dst: Path) -> None:
     """The finished file loads with torch.load(weights_only=True) (mapped,
     so no tensor data is read)."""
@@ -373,8 +382,10 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
                     e = entries[ref.key]
                     t = _dense(_check(e.key, src.read(e.key), e))
                     # This tensor's bytes only, from its own memory (a view
-                    # of a larger storage needs no copy).
-                    w.write_record(f"data/{i}", t.data_ptr(), e.nbytes)
+                    # of a larger storage needs no copy): a slice of its
+                    # storage shares that memory.  A storage, as torch.save
+                    # passes it (a data pointer is deprecated: torch warns).
+                    w.write_record(f"data/{i}", _storage_bytes(t), e.nbytes)
                     src.release(e.key, t)
                     del t
                     bar.update(e.nbytes)
@@ -433,6 +444,34 @@ def to_dcp(src: Source, dst: Path, bar_on: bool) -> str:
             f"{nfiles} data file(s) -> {dst}")
 
 
+def _remove_stale(dst: Path, fmt: str) -> list[str]:
+    """After an ``--overwrite`` into the directory ``dst``: remove the files
+    of an earlier export in another layout, which loaders would otherwise
+    find beside the new output (``transformers`` takes a
+    ``model.safetensors`` before an index; ``detect`` takes a ``.metadata``
+    first).  A sharded safetensors output removes every ``*.safetensors``
+    file its index does not name and a DCP checkpoint's ``.metadata`` and
+    ``*.distcp`` files; a DCP output removes ``*.safetensors`` files and the
+    index.  Other files (a model's config.json, tokenizer) stay."""
+    if fmt == "safetensors":
+        try:
+            keep = set(json.loads((dst / SAFETENSORS_INDEX).read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return []
+        stale = [p for p in dst.glob("*.safetensors") if p.name not in keep]
+        stale += [p for p in dst.glob("*.distcp")] + [dst / ".metadata"]
+    elif fmt == "dcp":
+        stale = list(dst.glob("*.safetensors")) + [dst / SAFETENSORS_INDEX]
+    else:
+        return []
+    removed = []
+    for p in stale:
+        if p.is_file() and not p.is_symlink():
+            _unlink(p)
+            removed.append(p.name)
+    return sorted(removed)
+
+
 class _Selected(Source):
     """The keys of ``src`` that start with one of ``only`` (all when empty),
     renamed without ``strip`` (e.g. export ``model.*`` of a training
@@ -485,6 +524,8 @@ def convert(src_path: str, dst_path: str, *, to: Optional[str] = None,
         raise CliError(f"{dst}: is a directory; a single safetensors output is a file "
                        f"(or pass --max-shard-size for shards in a directory)")
     src = open_source(src_path, src_format)
+    if overwrite and dst.exists() and dst.resolve() == Path(src_path).resolve():
+        raise CliError(f"{dst}: is the input; convert into another path")
     if only or strip_prefix:
         src = _Selected(src, list(only or []), strip_prefix)
     if fmt == "safetensors":
@@ -493,6 +534,11 @@ def convert(src_path: str, dst_path: str, *, to: Optional[str] = None,
         what = to_torch(src, dst, show_progress)
     else:
         what = to_dcp(src, dst, show_progress)
+    if overwrite and dst.is_dir():
+        removed = _remove_stale(dst, fmt)
+        if removed:
+            warn(f"--overwrite: removed {len(removed)} file(s) of an earlier export from "
+                 f"{dst}: {', '.join(removed)}")
     print(f"{src.kind} {src_path}: {what}", file=out)
     return 0
 

@@ -4,10 +4,6 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..filesystem import FileSystemReader, check_zip_crcs, is_raw, read_regular
 from ._common import progress
 
 HELP = "check every record of a checkpoint (CRC-32s, values, extents)"
@@ -19,6 +15,7 @@ def _check_archive(reader: FileSystemReader, index, info) -> int:
     records that carry no CRC.  A SAFETENSORS tensor has no archive (its
     header was checked when the reader was set up: docs/format.md); a
     compressed one is decompressed first."""
+    from ..filesystem import check_zip_crcs, is_raw, read_regular
     info = reader.storage_data.get(index, info)  # as resolved (dcpx._formats)
     if is_raw(info):
         return 0
@@ -39,6 +36,15 @@ def verify_checkpoint(path: str, out=None, *, show_progress: bool = False,
     checkpoint at ``path`` at all (exit status 2).  ``errors``: a list that
     gets each problem as (what, exception); ``allow_pickle``: the reader's
     (CheckpointManager's ``load_options``)."""
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
+    from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+    from ..filesystem import FileSystemReader, check_zip_crcs
+
     out = out or sys.stdout  # looked up per call: redirect_stdout works
     reader = FileSystemReader(path, allow_pickle=allow_pickle)
     problems = 0
