@@ -39,6 +39,7 @@ from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._pending import tensor_payload
 from ._plan import plan_local_save
+from ._stateful import wrap_state_dict  # noqa: F401  (CheckpointManager's: dcpx.manager)
 from ._reader import FileSystemReader
 from ._unasked import warn_unloaded
 from ._writer import FileSystemWriter

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import _guard
 from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
-from ._stateful import wrap_state_dict
+from ._api import wrap_state_dict
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .filesystem import (
     DEAD,

@@ -234,7 +234,7 @@ class TorchSource(Source):
     def __init__(self, path: Path):
         import torch
 
-        from .._byteorder import archive_byteorder, swap_untyped, tensors_in
+        from ..filesystem import archive_byteorder, swap_untyped, tensors_in
         self.path = Path(path)
         self.mapped = True
         if zipfile.is_zipfile(self.path):
@@ -331,6 +331,7 @@ class _ClaimsUnpickler(pickle.Unpickler):
 
 
 def _storage_itemsize(name: str) -> Optional[int]:
+    import torch
     if name == "UntypedStorage":
         return 1
     for dtype, sname in torch.storage._dtype_to_storage_type_map().items():
