@@ -37,6 +37,7 @@ from ._bc import positional_storage
 from ._files import LOCAL_PROTOCOLS, url_protocol
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
+from ._guard import check_not_bootstrapping  # noqa: F401  (also CheckpointManager's)
 from ._pending import tensor_payload
 from ._plan import plan_local_save
 from ._stateful import wrap_state_dict  # noqa: F401  (CheckpointManager's: dcpx.manager)

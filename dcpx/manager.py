@@ -30,10 +30,9 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from . import _guard
 from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
-from ._api import wrap_state_dict
+from ._api import check_not_bootstrapping, wrap_state_dict
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .filesystem import (
     DEAD,
@@ -422,7 +421,7 @@ class CheckpointManager:
         best_metric: Optional[str] = None,
         best_mode: str = "min",
     ) -> None:
-        _guard.check_not_bootstrapping("CheckpointManager")  # the main script run again by spawn
+        check_not_bootstrapping("CheckpointManager")  # the main script run again by spawn
         if keep_latest_k is not None and int(keep_latest_k) < 1:
             raise ValueError(f"dcpx.CheckpointManager: keep_latest_k must be None (keep every "
                              f"step) or at least 1, got {keep_latest_k!r}")
