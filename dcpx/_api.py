@@ -38,6 +38,7 @@ from ._gc import paused_gc
 from ._pending import tensor_payload
 from ._plan import plan_local_save
 from ._reader import FileSystemReader
+from ._torchcompat import NO_DIST_WARNING, torch_kwargs
 from ._writer import FileSystemWriter
 from .errors import checkpoint_errors
 
@@ -105,13 +106,6 @@ def _writer_for(storage_writer, checkpoint_id):
 
 def _reader_for(storage_reader, checkpoint_id):
     return _storage_for(storage_reader, checkpoint_id, reader=True)
-
-
-def _torch_kwargs(fn, **kw) -> dict:
-    """Pass keyword arguments only if the installed torch knows them."""
-    import inspect
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in kw.items() if k in params}
 
 
 # --------------------------------------------------------------------- save
@@ -275,10 +269,11 @@ def save(
             return _dist.save(writer, *sharded, group=process_group,
                               use_collectives=use_collectives)
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
             return _torch_save(state_dict, storage_writer=writer, planner=planner,
-                               process_group=process_group, no_dist=no_dist,
-                               **_torch_kwargs(_torch_save, use_collectives=use_collectives))
+                               process_group=process_group,
+                               **torch_kwargs(_torch_save, "save", no_dist=no_dist,
+                                              use_collectives=use_collectives))
 
 
 # --------------------------------------------------------------------- load
@@ -327,9 +322,10 @@ def load(
         _dist.load(reader, flat, mappings, stateful_sd, process_group, partial)
     elif not fast:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
             _torch_load(stateful_sd, storage_reader=reader, planner=planner,
-                        process_group=process_group, no_dist=no_dist)
+                        process_group=process_group,
+                        **torch_kwargs(_torch_load, "load", no_dist=no_dist))
     if not any_stateful:
         state_dict.update(stateful_sd)
         return

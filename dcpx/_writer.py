@@ -23,6 +23,7 @@ from torch.futures import Future
 from . import _commit, _locks, _metadata
 from ._files import DCP_VERSION, _check_dir, local_path
 from ._pending import LazyItem, PendingWrite, _buckets, _Entry, tensor_payload, value_payload
+from ._torchcompat import new_metadata, stamp_version
 from .errors import CheckpointError
 
 
@@ -36,7 +37,7 @@ def complete_metadata(writer: StorageWriter, metadata: Metadata,
         storage_md.update({wr.index: wr.storage_data for wr in wr_list})
     metadata.storage_data = storage_md
     metadata.storage_meta = writer.storage_meta()
-    metadata.version = DCP_VERSION
+    stamp_version(metadata, DCP_VERSION)
     return metadata
 
 
@@ -278,7 +279,7 @@ class FileSystemWriter(StorageWriter):
                 self._prepare_dir()
                 storage, sdm = self._write_batches(items, file_bytes, written)
                 pd = planner_data or {}
-                md = Metadata(state_dict_metadata=sdm,
+                md = new_metadata(state_dict_metadata=sdm,
                               planner_data={k: tuple(pd.get(k, (k,))) for k in sdm},
                               storage_data=storage, storage_meta=self.storage_meta(),
                               version=DCP_VERSION)
