@@ -149,7 +149,9 @@ def test_torch_reads_dcpx_metadata_equal_to_its_own(tmp_path, gen):
     assert ours.state_dict_metadata == theirs.state_dict_metadata  # all fields
     assert ours.planner_data == theirs.planner_data
     assert set(ours.storage_data) == set(theirs.storage_data)
-    assert ours.version == theirs.version
+    # the same fields as this torch writes (no version before torch 2.9)
+    assert list(vars(ours)) == list(vars(theirs))
+    assert getattr(ours, "version", None) == getattr(theirs, "version", None)
 
 
 def test_dcpx_reads_torch_metadata(tmp_path, gen):

@@ -249,12 +249,28 @@ def _raised(fn):
     return None
 
 
+def _torch_loads_mismatch() -> bool:
+    """Whether the installed torch loads a saved (3,) tensor into a (4,) one
+    without an error (torch 2.4 does)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.save({"w": torch.ones(3)}, checkpoint_id=d)
+        return _raised(lambda: tdcp.load({"w": torch.zeros(4)}, checkpoint_id=d)) is None
+
+
+_TORCH_LOADS_MISMATCH = _torch_loads_mismatch()
+
+
 @pytest.mark.parametrize("case", list(CASES), ids=lambda c: c.__name__[5:])
 def test_except_checkpoint_exception_catches_dcpx_failures(tmp_path, case):
     (tmp_path / "torch").mkdir()
     (tmp_path / "dcpx").mkdir()
     theirs = _raised(lambda: case(tdcp, str(tmp_path / "torch")))
-    assert isinstance(theirs, CheckpointException), f"torch raised {theirs!r}"
+    if not (theirs is None and case is case_load_shape_mismatch and _TORCH_LOADS_MISMATCH):
+        assert isinstance(theirs, CheckpointException), f"torch raised {theirs!r}"
+    # else: torch 2.4 loads a smaller saved tensor into a bigger one without
+    # a word (silent wrong data); dcpx refuses it on every torch (below).
     ours = _raised(lambda: case(dcpx, str(tmp_path / "dcpx")))
     also, text = CASES[case]
     assert isinstance(ours, CheckpointException), f"dcpx raised {type(ours).__mro__}: {ours}"
