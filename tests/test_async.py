@@ -59,6 +59,7 @@ import dcpx
 import dcpx._async
 import dcpx._process
 import dcpx.staging
+from conftest import torch_save_supports
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # seconds; every wait on a future is bounded: a hang is a failure
@@ -205,6 +206,10 @@ class _Trainer:
         self.steps = sd["steps"]
 
 
+# torch 2.4's torch.save cannot store uint16 (torch 2.5 can): int16 there
+_U16 = torch.uint16 if torch_save_supports(torch.uint16) else torch.int16
+
+
 def _training_state(seed: int) -> dict:
     """A realistic state dict: a Stateful, nested dicts and lists, plain
     values, and tensors of several dtypes and layouts."""
@@ -224,7 +229,7 @@ def _training_state(seed: int) -> dict:
             "bf16": torch.randn(7, 3, generator=g).bfloat16(),
             "f8": raw[:16].view(torch.float8_e4m3fn),
             "c64": torch.randn(5, dtype=torch.complex64, generator=g),
-            "u16": raw[16:48].view(torch.uint16),
+            "u16": raw[16:48].view(_U16),
             "empty": torch.empty(0, 4),
         },
         "tags": ["warmup", "cosine"],

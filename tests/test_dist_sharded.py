@@ -100,7 +100,7 @@ def full_of(name: str) -> torch.Tensor:
 
 
 def _placements(spec):
-    from torch.distributed.tensor import Replicate, Shard
+    from dtensor_api import Replicate, Shard
 
     return [Replicate() if p == "R" else Shard(int(p[1:])) for p in spec]
 
@@ -127,7 +127,7 @@ def build_state(zeros: bool = False) -> dict:
 def assert_state_matches(sd: dict, what: str) -> None:
     """Local shards bit-exact against the expected layout, full_tensor()
     bit-exact against the global value, non-tensor values equal."""
-    from torch.distributed.tensor import DTensor
+    from dtensor_api import DTensor
 
     expected = build_state()
     for name in LAYOUT:
