@@ -18,17 +18,19 @@ from torch.distributed.checkpoint import metadata as _md
 # --------------------------------------------------------------------------
 
 
-# torch < 2.5 has no torch.distributed.checkpoint._version (and so no
-# pre-2.4 "2_3" traversal to fall back to): the derived version is None.
+# torch 2.4 has no torch.distributed.checkpoint._version (torch 2.5 added
+# it, with the pre-2.4 "2_3" traversal to fall back to): always None there.
+try:
+    from torch.distributed.checkpoint import _version as _dcp_version
+except ImportError:
+    _dcp_version = None
+
+
 def derived_version():
     """``torch.distributed.checkpoint._version._derived_version``: the
     checkpoint layout torch is loading (``"2_3"`` for the pre-2.4 one), or
     None (always None where torch has no ``_version`` module)."""
-    try:
-        from torch.distributed.checkpoint import _version
-    except ImportError:
-        return None
-    return _version._derived_version
+    return None if _dcp_version is None else _dcp_version._derived_version
 
 
 # torch 2.4-2.8: Metadata has no ``version`` field (torch 2.9 added it and
