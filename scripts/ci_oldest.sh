@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # CI: the version-sensitive part of the suite (the API against torch's,
-# interop with torch both ways, 2-rank saves and loads, async_save) on the
+# interop with torch both ways, 4-rank sharded saves and loads, async_save) on the
 # oldest torch dcpx declares (pyproject.toml: torch>=2.4), pinned exactly.
 #
 # The torch venv lives outside the repo and is reused when present:
