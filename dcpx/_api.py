@@ -42,6 +42,7 @@ from ._pending import tensor_payload
 from ._plan import plan_local_save
 from ._stateful import wrap_state_dict  # noqa: F401  (CheckpointManager's: dcpx.manager)
 from ._reader import FileSystemReader
+from ._torchcompat import NO_DIST_WARNING, torch_kwargs
 from ._unasked import warn_unloaded
 from ._writer import FileSystemWriter
 from .errors import checkpoint_errors
@@ -121,13 +122,6 @@ def _writer_for(storage_writer, checkpoint_id):
 
 def _reader_for(storage_reader, checkpoint_id):
     return _storage_for(storage_reader, checkpoint_id, reader=True)
-
-
-def _torch_kwargs(fn, **kw) -> dict:
-    """Pass keyword arguments only if the installed torch knows them."""
-    import inspect
-    params = inspect.signature(fn).parameters
-    return {k: v for k, v in kw.items() if k in params}
 
 
 # --------------------------------------------------------------------- save
@@ -298,10 +292,11 @@ def save(
                                           writer.is_coordinator, True)
             return metadata
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
             return _torch_save(state_dict, storage_writer=writer, planner=planner,
-                               process_group=process_group, no_dist=no_dist,
-                               **_torch_kwargs(_torch_save, use_collectives=use_collectives))
+                               process_group=process_group,
+                               **torch_kwargs(_torch_save, "save", no_dist=no_dist,
+                                              use_collectives=use_collectives))
 
 
 # --------------------------------------------------------------------- load
@@ -357,9 +352,10 @@ def load(
         _dist.load(reader, flat, mappings, stateful_sd, process_group, partial)
     elif not fast:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
             _torch_load(stateful_sd, storage_reader=reader, planner=planner,
-                        process_group=process_group, no_dist=no_dist)
+                        process_group=process_group,
+                        **torch_kwargs(_torch_load, "load", no_dist=no_dist))
     if fast and planner is not None:  # set up as torch's load leaves it
         _planner_state.after_load(planner, stateful_sd,
                                   not distributed or dist.get_rank(process_group) == 0, reader)

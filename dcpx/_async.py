@@ -29,7 +29,6 @@ import copy
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from enum import Enum
 from typing import Any, Optional, Union
 
 import torch
@@ -56,22 +55,8 @@ from .staging import DefaultStager
 from .staging import _pool as _staging_pool
 
 
-try:  # the classes users may isinstance-check against
-    from torch.distributed.checkpoint.state_dict_saver import (
-        AsyncCheckpointerType,
-        AsyncSaveResponse,
-    )
-except ImportError:  # torch < 2.9
-    from dataclasses import dataclass
-
-    class AsyncCheckpointerType(Enum):  # type: ignore[no-redef]
-        THREAD = "thread"
-        PROCESS = "process"
-
-    @dataclass
-    class AsyncSaveResponse:  # type: ignore[no-redef]
-        staging_completion: Future
-        upload_completion: Future
+# the classes users may isinstance-check against: torch's where it has them
+from ._torchcompat import AsyncCheckpointerType, AsyncSaveResponse
 
 __all__ = ["async_save", "AsyncCheckpointerType", "AsyncSaveResponse"]
 

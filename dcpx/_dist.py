@@ -68,6 +68,7 @@ from ._plan import (  # noqa: F401 (the planner's names, as before)
     scan,
 )
 from ._reader import FileSystemReader, _TensorRead
+from ._torchcompat import new_metadata
 from ._unasked import warn_unloaded
 from ._writer import FileSystemWriter, _path_key
 from .errors import CheckpointError, CorruptCheckpointError, checkpoint_errors
@@ -767,7 +768,7 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
             for i, f, off, length in layout:
                 storage_data[plan.index[(r, i)]] = _StorageInfo(names[f], off, length)
         # Own dicts: the plan may be reused by the next save (_GLOBAL_PLANS).
-        metadata = Metadata(state_dict_metadata=dict(plan.state_dict_metadata),
+        metadata = new_metadata(state_dict_metadata=dict(plan.state_dict_metadata),
                             planner_data=dict(plan.planner_data), storage_data=storage_data,
                             storage_meta=writer.storage_meta(), version=DCP_VERSION)
         data = writer.encode_metadata(metadata)

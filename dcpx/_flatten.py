@@ -19,18 +19,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.checkpoint import _version
 from torch.distributed.checkpoint._nested_dict import (
     flatten_state_dict as _torch_flatten_state_dict,  # the fallback only
 )
 
 from . import _C
+from ._torchcompat import derived_version
 
 
 def flatten_state_dict(state_dict: Any) -> tuple[dict[str, Any], dict[str, tuple]]:
     """``(flat, mappings)`` exactly as torch's ``flatten_state_dict``
     returns them."""
-    derived = _version._derived_version
+    derived = derived_version()
     if not (derived is not None and derived == "2_3"):
         out = _C.flatten_state_dict(state_dict)
         if out is not None:

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from . import _C
+from ._torchcompat import METADATA_FIELDS
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
 METADATA_FN = ".metadata"
@@ -118,7 +119,8 @@ class Splice(NamedTuple):
 # BUILD of the same object.  The middle is cached in the plan and, while
 # the layout stays the same, copied instead of encoded (~2 us per tensor);
 # it loads, with torch's pickle.load or dcpx's reader, to the same object.
-_FIELDS = ["state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version"]
+# The fields in the order the installed torch's Metadata sets them.
+_FIELDS = list(METADATA_FIELDS)
 
 
 def dumps(metadata: _md.Metadata, splice: Optional[Splice] = None) -> bytes:

@@ -51,13 +51,9 @@ from ._pending import (
     tensor_payload,
     value_payload,
 )
+from ._torchcompat import DTensor, dtensor_chunk, new_metadata
 from .errors import CheckpointError
 
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without DTensor
-    DTensor = None  # type: ignore[assignment,misc]
 
 _BYTES_MD = BytesStorageMetadata()
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -126,7 +122,7 @@ def local_chunk(obj: torch.Tensor) -> tuple[torch.Tensor, torch.Size, torch.Size
         key = (obj.shape, tuple(obj.placements), obj.device_mesh)
         shard = _SHARDS.get(key)
         if shard is None:
-            (chunk,) = obj.__create_chunk_list__()
+            chunk = dtensor_chunk(obj)
             if len(_SHARDS) > 65536:
                 _SHARDS.clear()
             shard = _SHARDS[key] = (chunk.offsets, chunk.sizes)
@@ -440,7 +436,7 @@ class LocalSave(NamedTuple):
             for name, g, lay in zip(names, plan.groups, layout):
                 for i, (off, length) in zip(g, lay):
                     storage_data[index[i]] = _StorageInfo(name, off, length)
-        metadata = Metadata(
+        metadata = new_metadata(
             state_dict_metadata=dict(plan.sdm),
             # The plan's copy: its key strings are the objects the reused
             # metadata holds, so the pickle stores each key once (a new

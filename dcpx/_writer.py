@@ -32,6 +32,7 @@ from ._pending import (
     tensor_payload,
     value_payload,
 )
+from ._torchcompat import new_metadata, stamp_version
 from .errors import CheckpointError
 
 
@@ -45,7 +46,7 @@ def complete_metadata(writer: StorageWriter, metadata: Metadata,
         storage_md.update({wr.index: wr.storage_data for wr in wr_list})
     metadata.storage_data = storage_md
     metadata.storage_meta = writer.storage_meta()
-    metadata.version = DCP_VERSION
+    stamp_version(metadata, DCP_VERSION)
     return metadata
 
 
@@ -338,7 +339,7 @@ class FileSystemWriter(StorageWriter):
                 self._prepare_dir()
                 storage, sdm = self._write_batches(items, file_bytes, written)
                 pd = planner_data or {}
-                md = Metadata(state_dict_metadata=sdm,
+                md = new_metadata(state_dict_metadata=sdm,
                               planner_data={k: tuple(pd.get(k, (k,))) for k in sdm},
                               storage_data=storage, storage_meta=self.storage_meta(),
                               version=DCP_VERSION)

@@ -52,10 +52,7 @@ from ._gc import paused_gc
 from ._pending import check_saveable, staged_payload, value_payload
 
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without DTensor
-    DTensor = None  # type: ignore[assignment,misc]
+from ._torchcompat import DTensor
 
 __all__ = ["StagingOptions", "DefaultStager", "release_staging_buffers"]
 

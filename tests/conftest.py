@@ -185,7 +185,10 @@ def resolved(state: Any) -> Any:
     """What a load gives back for ``state``: tensors as plain contiguous
     copies (conj / neg views resolved), other values as they are."""
     if isinstance(state, torch.Tensor):
-        return state.detach().resolve_conj().resolve_neg().contiguous().clone()
+        try:
+            return state.detach().resolve_conj().resolve_neg().contiguous().clone()
+        except NotImplementedError:  # torch 2.8 cannot copy float4_e2m1fn_x2: its bytes
+            return state.detach().view(torch.uint8).contiguous().clone().view(state.dtype)
     if isinstance(state, dict):
         return {k: resolved(v) for k, v in state.items()}
     if isinstance(state, list):

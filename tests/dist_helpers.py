@@ -468,9 +468,9 @@ def full_value(name: str, shape: Sequence[int], dtype: Any = None) -> Any:
 def dtensor_of(full: Any, mesh: Any, placements: Sequence[Any]) -> Any:
     """``full`` laid out on ``mesh``: every rank holds the same ``full``, so
     no communication is needed (and no dtype limits of gloo apply)."""
-    from torch.distributed.tensor import distribute_tensor
+    from dtensor_api import distribute_held
 
-    return distribute_tensor(full, mesh, list(placements), src_data_rank=None)
+    return distribute_held(full, mesh, placements)
 
 
 def read_metadata(path: os.PathLike, rank: Optional[int] = None) -> Any:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import errno
 import json
 import os
@@ -47,15 +48,18 @@ import pytest
 import torch
 import torch.distributed.checkpoint as tdcp
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict_saver import (
-    AsyncCheckpointerType as TorchAsyncCheckpointerType,
-    AsyncSaveResponse as TorchAsyncSaveResponse,
-)
+import torch.distributed.checkpoint.state_dict_saver as _torch_saver
+
+# torch's classes, or None where the installed torch lacks them
+# (AsyncCheckpointerType: torch >= 2.8; AsyncSaveResponse: torch >= 2.9).
+TorchAsyncCheckpointerType = getattr(_torch_saver, "AsyncCheckpointerType", None)
+TorchAsyncSaveResponse = getattr(_torch_saver, "AsyncSaveResponse", None)
 
 import dcpx
 import dcpx._async
 import dcpx._process
 import dcpx.staging
+from conftest import torch_save_supports
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # seconds; every wait on a future is bounded: a hang is a failure
@@ -202,6 +206,10 @@ class _Trainer:
         self.steps = sd["steps"]
 
 
+# torch 2.4's torch.save cannot store uint16 (torch 2.5 can): int16 there
+_U16 = torch.uint16 if torch_save_supports(torch.uint16) else torch.int16
+
+
 def _training_state(seed: int) -> dict:
     """A realistic state dict: a Stateful, nested dicts and lists, plain
     values, and tensors of several dtypes and layouts."""
@@ -221,7 +229,7 @@ def _training_state(seed: int) -> dict:
             "bf16": torch.randn(7, 3, generator=g).bfloat16(),
             "f8": raw[:16].view(torch.float8_e4m3fn),
             "c64": torch.randn(5, dtype=torch.complex64, generator=g),
-            "u16": raw[16:48].view(torch.uint16),
+            "u16": raw[16:48].view(_U16),
             "empty": torch.empty(0, 4),
         },
         "tags": ["warmup", "cosine"],
@@ -296,17 +304,28 @@ def test_async_staging_returns_torchs_async_save_response(tmp_path):
     with _stagers("async") as stager:
         r = dcpx.async_save({"w": torch.ones(3)}, checkpoint_id=tmp_path / "c",
                             async_stager=stager)
-        assert isinstance(r, TorchAsyncSaveResponse)  # torch's own class
+        if TorchAsyncSaveResponse is not None:  # torch >= 2.9
+            assert isinstance(r, TorchAsyncSaveResponse)  # torch's own class
         assert isinstance(r, dcpx.AsyncSaveResponse)
+        assert [f.name for f in dataclasses.fields(r)] == ["staging_completion",
+                                                           "upload_completion"]
         assert isinstance(r.staging_completion, Future)
         assert isinstance(r.upload_completion, Future)
         assert r.staging_completion.result(timeout=TIMEOUT) is None
         assert isinstance(r.upload_completion.result(timeout=TIMEOUT), Metadata)
 
 
-def test_dcpx_reexports_torchs_async_classes():
-    assert dcpx.AsyncSaveResponse is TorchAsyncSaveResponse
-    assert dcpx.AsyncCheckpointerType is TorchAsyncCheckpointerType
+@pytest.mark.parametrize("name", ["AsyncSaveResponse", "AsyncCheckpointerType"])
+def test_dcpx_reexports_torchs_async_classes(name):
+    theirs = getattr(_torch_saver, name, None)
+    if theirs is None:
+        pytest.skip(f"torch {torch.__version__} has no {name} (dcpx's own stands in)")
+    assert getattr(dcpx, name) is theirs
+
+
+def test_async_checkpointer_type_has_torchs_members():
+    assert {m.name: m.value for m in dcpx.AsyncCheckpointerType} == {
+        "THREAD": "thread", "PROCESS": "process"}
 
 
 def test_checkpointer_type_may_be_given_by_value(tmp_path):

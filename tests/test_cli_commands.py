@@ -479,7 +479,7 @@ def test_convert_errors(ckpt, tmp_path, capsys):
 
 def _save_sharded(rank: int, world: int, path: str, use_torch: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
+    from dtensor_api import Replicate, Shard
 
     from dist_helpers import dtensor_of, full_value
 

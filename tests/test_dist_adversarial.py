@@ -53,7 +53,7 @@ WORLD = 2
 
 
 def _fresh_like(v):
-    from torch.distributed.tensor import DTensor
+    from dtensor_api import DTensor
 
     if isinstance(v, dict):
         return {k: _fresh_like(x) for k, x in v.items()}
@@ -65,7 +65,7 @@ def _fresh_like(v):
 
 
 def _compare(got, exp, what: str) -> None:
-    from torch.distributed.tensor import DTensor
+    from dtensor_api import DTensor
 
     if isinstance(exp, dict):
         assert isinstance(got, dict) and set(got) == set(exp), (what, got, exp)
@@ -149,7 +149,7 @@ def check_replicated_value_differs_between_ranks(ctx):
 
 def check_dtensor_reshard_both_libraries(ctx):
     import torch.distributed.checkpoint as tdcp
-    from torch.distributed.tensor import Replicate, Shard
+    from dtensor_api import Replicate, Shard
 
     mesh = _mesh()
     full = {"a": full_value("dt.a", (7, 5)), "b": full_value("dt.b", (3, 9), torch.bfloat16),

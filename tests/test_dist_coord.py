@@ -459,7 +459,7 @@ def check_submesh_groups_save_sharded(ctx):
     """A (2, 2) mesh: each "tp" row ({0, 1} and {2, 3}) saves a 2-way sharded
     DTensor with process_group = its row's group, into its own directory."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
+    from dtensor_api import Shard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tp = mesh["tp"]

@@ -87,7 +87,7 @@ def state(rank: int, step: int, own_rows: int = 3, extra: bool = False,
     """Replicated tensors, a rank-local one, a DTensor sharded over the
     ranks, non-tensor values; values depend on ``step``."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard
+    from dtensor_api import Shard
 
     mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
     sh = full_value(f"{step}.sh", (6, 4))
@@ -108,7 +108,7 @@ def state(rank: int, step: int, own_rows: int = 3, extra: bool = False,
 
 
 def zeros_like_state(sd: dict) -> dict:
-    from torch.distributed.tensor import DTensor
+    from dtensor_api import DTensor
 
     out: dict = {}
     for k, v in sd.items():
@@ -125,7 +125,7 @@ def zeros_like_state(sd: dict) -> dict:
 
 
 def assert_loaded(got: dict, exp: dict, what: str) -> None:
-    from torch.distributed.tensor import DTensor
+    from dtensor_api import DTensor
 
     for k, v in exp.items():
         if isinstance(v, dict):

@@ -72,7 +72,7 @@ def expected(version: int) -> dict:
 
 def state(version: int, zeros: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
+    from dtensor_api import Shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     exp = expected(version)

@@ -139,7 +139,7 @@ def full_state(model, optimizer) -> dict:
     """The full (unsharded) model and optimizer state, for bit comparison.
     Collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.tensor import DTensor
+    from dtensor_api import DTensor
 
     def full(v):
         if isinstance(v, DTensor):

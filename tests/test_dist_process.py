@@ -26,7 +26,7 @@ def _rank(rank: int, port: int, path: str, shared: bool) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as tdcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from dtensor_api import Replicate, Shard, distribute_tensor
 
     import dcpx
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

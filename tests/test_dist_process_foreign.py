@@ -33,7 +33,7 @@ def _writer(kind, path):
 
 def _ranks(rank, world_size, workdir, cases):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard
+    from dtensor_api import Shard
 
     mesh = init_device_mesh("cpu", (world_size,))
     full = full_value("pf.w", (16, 6))

@@ -64,7 +64,7 @@ def full_of(name: str) -> torch.Tensor:
 
 
 def _placements(spec):
-    from torch.distributed.tensor import Replicate, Shard
+    from dtensor_api import Replicate, Shard
 
     return [Replicate() if p == "R" else Shard(int(p[1:])) for p in spec]
 

@@ -53,6 +53,23 @@ def torch_dcp_saves(dtype) -> bool:
 TORCH_DCP_DTYPES = [d for d in SAVEABLE_DTYPES if torch_dcp_saves(d)]
 
 
+def torch_dcp_loads(dtype) -> bool:
+    """torch DCP's load copies each tensor into place with ``copy_``, which
+    some torch versions lack for some dtypes (torch 2.8: float4_e2m1fn_x2,
+    "copy_kernel not implemented"): such a checkpoint torch cannot load."""
+    try:
+        src = torch.zeros(2 * dtype.itemsize, dtype=torch.uint8).view(dtype)
+        torch.empty_like(src).copy_(src)
+        return True
+    except Exception:
+        return False
+
+
+def needs_torch_load(dtype):
+    if not torch_dcp_loads(dtype):
+        pytest.skip(f"torch {torch.__version__}'s DCP load cannot copy {dtype} (no copy_ kernel)")
+
+
 def mixed_state(gen, dtypes):
     """Many dtypes, nesting, plain values, 0-d, empty and strided tensors."""
     state = {"by_dtype": {dtype_id(d): make_tensor((3, 5), d, gen) for d in dtypes}}
@@ -74,7 +91,8 @@ def mixed_state(gen, dtypes):
 
 
 def common_dtypes():
-    return [d for d in TORCH_DCP_DTYPES if d not in KNOWN_BROKEN]
+    """dtypes torch DCP both saves and loads on the installed torch."""
+    return [d for d in TORCH_DCP_DTYPES if d not in KNOWN_BROKEN and torch_dcp_loads(d)]
 
 
 # --------------------------------------------------------------------------
@@ -110,6 +128,7 @@ def test_torch_save_with_thread_count_and_file_per_item_dcpx_load(tmp_path, gen)
 def test_each_dtype_dcpx_to_torch(dtype, tmp_path, gen):
     """Every dtype, alone, so a failure names it.  torch DCP loads the bits*
     dtypes although it cannot save them."""
+    needs_torch_load(dtype)
     state = {"x": make_tensor((4, 6), dtype, gen), "s": make_tensor((), dtype, gen)}
     dcpx.save(state, checkpoint_id=tmp_path)
     dest = empty_like_state(state)
@@ -149,7 +168,9 @@ def test_torch_reads_dcpx_metadata_equal_to_its_own(tmp_path, gen):
     assert ours.state_dict_metadata == theirs.state_dict_metadata  # all fields
     assert ours.planner_data == theirs.planner_data
     assert set(ours.storage_data) == set(theirs.storage_data)
-    assert ours.version == theirs.version
+    # the same fields as this torch writes (no version before torch 2.9)
+    assert set(vars(ours)) == set(vars(theirs))
+    assert getattr(ours, "version", None) == getattr(theirs, "version", None)
 
 
 def test_dcpx_reads_torch_metadata(tmp_path, gen):

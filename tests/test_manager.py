@@ -717,7 +717,7 @@ def _recipe_code() -> str:
 
 def _run_recipe(rank: int, world: int, workdir: str, code: str) -> dict:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from dtensor_api import DTensor
 
     warnings.simplefilter("ignore")
     ns: dict = {}

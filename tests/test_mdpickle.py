@@ -38,6 +38,12 @@ from torch.distributed.checkpoint.metadata import (
 import dcpx
 from dcpx import _C, _dist, _metadata
 
+# Metadata.version: torch >= 2.9; StorageMeta.modules: torch >= 2.8.
+HAS_VERSION = "version" in {f.name for f in dataclasses.fields(Metadata)}
+VERSION = {"version": "1.0.0"} if HAS_VERSION else {}
+MODULES = ({"modules": ["m1", "m2"]}
+           if "modules" in {f.name for f in dataclasses.fields(StorageMeta)} else {})
+
 from conftest import (
     SAVEABLE_DTYPES,
     assert_state_bit_equal,
@@ -188,7 +194,7 @@ def test_sharded_multi_chunk_metadata_as_the_dist_path_builds():
     storage = {plan.index[(r, i)]: _StorageInfo(f"__{r}_0.distcp", 64 * i, 60 + i)
                for r in range(ranks) for i in plan.assign[r]}
     md = Metadata(plan.state_dict_metadata, planner_data=plan.planner_data,
-                  storage_data=storage, storage_meta=StorageMeta("ck", "sid"), version="1.0.0")
+                  storage_data=storage, storage_meta=StorageMeta("ck", "sid"), **VERSION)
     assert len(md.state_dict_metadata["w"].chunks) == ranks
     check_encodes(md)
 
@@ -207,8 +213,7 @@ def _handmade(**kw) -> Metadata:
 
 
 @pytest.mark.parametrize("storage_meta", [
-    None, StorageMeta(), StorageMeta(checkpoint_id="/ck", save_id="s", load_id="l",
-                                     modules=["m1", "m2"]),
+    None, StorageMeta(), StorageMeta(checkpoint_id="/ck", save_id="s", load_id="l", **MODULES),
     StorageMeta(checkpoint_id=pathlib.PosixPath("/tmp/x")),
     StorageMeta(checkpoint_id=pathlib.PurePosixPath("rel/y")),
     StorageMeta(checkpoint_id=pathlib.PureWindowsPath("C:/y"))], ids=str)
@@ -293,7 +298,10 @@ def _fallbacks():
     t: tuple = ([],)
     t[0].append(t)
     yield "recursive tuple", _handmade(planner_data={"t": t})
-    yield "str subclass", _handmade(version=_Str("1.0"))
+    if HAS_VERSION:
+        yield "str subclass", _handmade(version=_Str("1.0"))
+    else:
+        yield "str subclass", _handmade(planner_data={"a": (_Str("a"),)})
     yield "memory_format (no __module__)", _handmade(planner_data={"m": torch.channels_last})
     info = _StorageInfo("f", 0, 1)
     info.transform_descriptors = [_Opaque()]
@@ -399,7 +407,7 @@ def test_any_tensor_metadata_loads_as_python(tensors):
         storage[MetadataIndex(fqn, [0] * len(dims), 0)] = _StorageInfo("__0_0.distcp", offset, 1)
         pd[fqn] = tuple(fqn.split("."))
     check_encodes(Metadata(sdm, planner_data=pd, storage_data=storage,
-                           storage_meta=StorageMeta(), version="1.0.0"))
+                           storage_meta=StorageMeta(), **VERSION))
 
 
 # --------------------------------------------------------------------------

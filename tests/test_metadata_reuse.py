@@ -119,7 +119,7 @@ def _metadata_with(md, names, checkpoint_id):
     return Metadata(state_dict_metadata=md.state_dict_metadata, planner_data=md.planner_data,
                     storage_data=storage,
                     storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id="s" * 36),
-                    version=md.version)
+                    **({"version": md.version} if hasattr(md, "version") else {}))  # torch >= 2.9
 
 
 def test_split_form_with_a_reused_middle_loads_to_the_new_metadata(tmp_path):

@@ -29,6 +29,7 @@ from conftest import (
     fast_writer,
     make_tensor,
     resolved,
+    torch_save_supports,
 )
 
 pytestmark = [
@@ -53,12 +54,19 @@ def test_dtype_lists_cover_the_interesting_dtypes():
     """The enumeration is programmatic; make sure it did find the dtypes this
     file is meant to cover."""
     names = {dtype_id(d) for d in SAVEABLE_DTYPES}
+    unsaveable = {dtype_id(d) for d in UNSAVEABLE_DTYPES}
     for must in ["float64", "float32", "float16", "bfloat16", "float8_e4m3fn",
                  "float8_e5m2", "complex32", "complex64", "complex128", "bool", "int8",
                  "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
                  "bits8", "bits16"]:
+        if must in ("uint16", "uint32", "uint64") and not torch_save_supports(getattr(torch, must)):
+            # torch 2.4's torch.save refuses them ("dtype torch.uint16 is not
+            # recognized"; torch 2.5 stores them): dcpx must refuse them too
+            assert must in unsaveable
+            continue
         assert must in names
-    assert {"int1", "int4", "uint1", "uint7"} <= {dtype_id(d) for d in UNSAVEABLE_DTYPES}
+    # (torch 2.4 has no int1..int7 dtypes)
+    assert {n for n in ("int1", "int4", "uint1", "uint7") if hasattr(torch, n)} <= unsaveable
 
 
 @pytest.mark.parametrize("dtype", dtype_params(SAVEABLE_DTYPES))

@@ -49,7 +49,7 @@ def _sharded(path, full: torch.Tensor, dim: int) -> None:
                       MetadataIndex("w", chunks[1].offsets): md.storage_data[MetadataIndex("b", zero)],
                       MetadataIndex("step"): md.storage_data[MetadataIndex("step")]},
         planner_data={"w": ("w",), "step": ("step",)}, storage_meta=md.storage_meta,
-        version=md.version)
+        **({"version": md.version} if hasattr(md, "version") else {}))  # torch >= 2.9
     FileSystemWriter(path, sync_files=False).commit(sharded)
 
 

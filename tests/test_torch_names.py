@@ -249,12 +249,28 @@ def _raised(fn):
     return None
 
 
+def _torch_loads_mismatch() -> bool:
+    """Whether the installed torch loads a saved (3,) tensor into a (4,) one
+    without an error (torch 2.4 does)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tdcp.save({"w": torch.ones(3)}, checkpoint_id=d)
+        return _raised(lambda: tdcp.load({"w": torch.zeros(4)}, checkpoint_id=d)) is None
+
+
+_TORCH_LOADS_MISMATCH = _torch_loads_mismatch()
+
+
 @pytest.mark.parametrize("case", list(CASES), ids=lambda c: c.__name__[5:])
 def test_except_checkpoint_exception_catches_dcpx_failures(tmp_path, case):
     (tmp_path / "torch").mkdir()
     (tmp_path / "dcpx").mkdir()
     theirs = _raised(lambda: case(tdcp, str(tmp_path / "torch")))
-    assert isinstance(theirs, CheckpointException), f"torch raised {theirs!r}"
+    if not (theirs is None and case is case_load_shape_mismatch and _TORCH_LOADS_MISMATCH):
+        assert isinstance(theirs, CheckpointException), f"torch raised {theirs!r}"
+    # else: torch 2.4 loads a smaller saved tensor into a bigger one without
+    # a word (silent wrong data); dcpx refuses it on every torch (below).
     ours = _raised(lambda: case(dcpx, str(tmp_path / "dcpx")))
     also, text = CASES[case]
     assert isinstance(ours, CheckpointException), f"dcpx raised {type(ours).__mro__}: {ours}"
@@ -392,6 +408,7 @@ def test_fsspec_storage_is_dcpxs_even_where_torch_exports_its_own():
     import sys
     code = (
         "import torch.distributed.checkpoint as t\n"
+        "import sys; torch_took = 'fsspec' in sys.modules\n"
         "class W: pass\n"
         "class R: pass\n"
         "t.FsspecWriter, t.FsspecReader = W, R\n"
@@ -399,9 +416,10 @@ def test_fsspec_storage_is_dcpxs_even_where_torch_exports_its_own():
         "assert dcpx.FsspecWriter is dcpx.fsspec.FsspecWriter, dcpx.FsspecWriter\n"
         "assert dcpx.FsspecReader is dcpx.fsspec.FsspecReader, dcpx.FsspecReader\n"
         "assert {'FsspecWriter', 'FsspecReader'} <= set(dcpx.__all__)\n"
-        "import sys; print('fsspec' in sys.modules)\n"
+        "print('fsspec' in sys.modules and not torch_took)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    # importing dcpx does not import fsspec itself (it is optional)
+    # importing dcpx does not import fsspec itself (it is optional; torch 2.8
+    # imports it with torch.distributed.checkpoint when it is installed)
     assert out.stdout.strip() == "False", out.stdout

@@ -1,0 +1,135 @@
+"""Every difference between the torch versions dcpx supports, in one place.
+
+The rest of dcpx imports what differs between torch versions from here and
+never compares torch versions itself.  Each entry says which torch versions
+it covers; where possible it tests for the feature rather than the version.
+"""
+from __future__ import annotations
+
+import dataclasses as _dc
+from concurrent.futures import Future
+from enum import Enum as _Enum
+from typing import Any
+
+from torch.distributed.checkpoint import metadata as _md
+
+# --------------------------------------------------------------------------
+# torch 2.4-2.8
+# --------------------------------------------------------------------------
+
+
+# torch 2.4 has no torch.distributed.checkpoint._version (torch 2.5 added
+# it, with the pre-2.4 "2_3" traversal to fall back to): always None there.
+try:
+    from torch.distributed.checkpoint import _version as _dcp_version
+except ImportError:
+    _dcp_version = None
+
+
+def derived_version():
+    """``torch.distributed.checkpoint._version._derived_version``: the
+    checkpoint layout torch is loading (``"2_3"`` for the pre-2.4 one), or
+    None (always None where torch has no ``_version`` module)."""
+    return None if _dcp_version is None else _dcp_version._derived_version
+
+
+# torch 2.4-2.8: Metadata has no ``version`` field (torch 2.9 added it and
+# writes "1.0.0"); a checkpoint of such a torch carries none.
+METADATA_FIELDS = tuple(f.name for f in _dc.fields(_md.Metadata))
+
+
+def new_metadata(**fields: Any) -> _md.Metadata:
+    """``Metadata(**fields)`` without the fields the installed torch's
+    Metadata lacks (``version`` before torch 2.9), so that .metadata holds
+    what that torch itself writes."""
+    return _md.Metadata(**{k: v for k, v in fields.items() if k in METADATA_FIELDS})
+
+
+def stamp_version(metadata: _md.Metadata, version: str) -> None:
+    """Set ``metadata.version`` where the installed torch's Metadata has it
+    (torch >= 2.9); nothing on torch 2.4-2.8."""
+    if "version" in METADATA_FIELDS:
+        metadata.version = version
+
+
+# torch 2.4: DTensor lives in the private torch.distributed._tensor only
+# (torch 2.5 made torch.distributed.tensor public).
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:
+    try:
+        from torch.distributed._tensor import DTensor  # type: ignore[no-redef]
+    except ImportError:  # torch built without distributed
+        DTensor = None  # type: ignore[assignment,misc]
+
+
+# torch 2.4: DTensor has no __create_chunk_list__ (torch 2.5 added it);
+# torch 2.4's planner computes the chunk with _create_chunk_from_dtensor.
+def dtensor_chunk(dt: Any) -> _md.ChunkStorageMetadata:
+    """The one chunk (global offsets, sizes) that DTensor ``dt`` holds on
+    this rank, as the installed torch's planner computes it."""
+    make = getattr(dt, "__create_chunk_list__", None)
+    if make is not None:
+        (chunk,) = make()
+        return chunk
+    from torch.distributed.checkpoint.planner_helpers import _create_chunk_from_dtensor
+    return _create_chunk_from_dtensor(dt)
+
+
+# torch 2.4-2.7: no AsyncCheckpointerType (torch 2.8 added it); torch
+# 2.4-2.8: no AsyncSaveResponse (torch 2.9).  dcpx's async_save has both
+# (its PROCESS checkpointer and asynchronous staging work on every torch):
+# torch's classes where torch has them, so that isinstance checks against
+# torch's hold, else dcpx's own with torch's fields and values.
+try:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+except ImportError:
+    class AsyncCheckpointerType(_Enum):  # type: ignore[no-redef]
+        THREAD = "thread"
+        PROCESS = "process"
+try:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+except ImportError:
+    @_dc.dataclass
+    class AsyncSaveResponse:  # type: ignore[no-redef]
+        staging_completion: Future
+        upload_completion: Future
+
+
+# torch 2.4-2.6: save() / load() have no ``no_dist`` (torch 2.7 added it;
+# before, they infer it: no process group means no_dist; False, the
+# default, infers it on every torch); torch 2.4-2.10:
+# save() has no ``use_collectives``.  dcpx passes torch's implementation
+# only what the installed torch knows: a value torch would infer anyway is
+# dropped; any other raises TypeError as that torch's own call would.
+def torch_kwargs(fn: Any, name: str, **kw: Any) -> dict:
+    """``kw`` less the keyword arguments torch's ``fn`` lacks, where their
+    value is what that torch does anyway (``no_dist`` False or no process
+    group, ``use_collectives=True``); TypeError for any other value."""
+    import inspect
+
+    import torch.distributed as dist
+    params = inspect.signature(fn).parameters
+    out = {}
+    for k, v in kw.items():
+        if k in params:
+            out[k] = v
+            continue
+        if k == "no_dist" and (not v or not (dist.is_available() and dist.is_initialized())):
+            continue  # the default (inferred), or what torch infers
+        if k == "use_collectives" and v:
+            continue
+        raise TypeError(f"{name}() got an unexpected keyword argument {k!r} "
+                        f"(torch {_torch_version()} has no {k}={v!r})")
+    return out
+
+
+def _torch_version() -> str:
+    import torch
+    return torch.__version__
+
+
+# torch 2.4-2.7: save / load without a process group warn "torch.distributed
+# is unavailable or uninitialized, assuming ..."; later torch says "is
+# disabled, unavailable or uninitialized".  The pattern matches both.
+NO_DIST_WARNING = r".*torch\.distributed is (disabled|unavailable)"
