@@ -28,6 +28,7 @@ from conftest import (
     make_tensor,
     member_data_offset,
     resolved,
+    torch_copies,
 )
 
 pytestmark = [
@@ -80,8 +81,15 @@ def common_dtypes():
 # --------------------------------------------------------------------------
 # both directions, bit-exact
 
+def torch_loads(dtype) -> bool:
+    """torch DCP's load copies each tensor into its destination: on torch
+    2.9 float4_e2m1fn_x2 has no copy kernel, and torch cannot load it from
+    any checkpoint, its own included (conftest.torch_copies)."""
+    return torch_copies(dtype)
+
+
 def test_dcpx_save_torch_load(tmp_path, gen):
-    state = mixed_state(gen, common_dtypes())
+    state = mixed_state(gen, [d for d in common_dtypes() if torch_loads(d)])
     dcpx.save(state, checkpoint_id=tmp_path)
     dest = empty_like_state(state)
     tdcp.load(dest, checkpoint_id=tmp_path)
@@ -110,6 +118,9 @@ def test_torch_save_with_thread_count_and_file_per_item_dcpx_load(tmp_path, gen)
 def test_each_dtype_dcpx_to_torch(dtype, tmp_path, gen):
     """Every dtype, alone, so a failure names it.  torch DCP loads the bits*
     dtypes although it cannot save them."""
+    if not torch_loads(dtype):
+        pytest.skip(f"torch {torch.__version__} cannot copy {dtype} (no copy kernel), "
+                    f"so its DCP load of any {dtype} fails")
     state = {"x": make_tensor((4, 6), dtype, gen), "s": make_tensor((), dtype, gen)}
     dcpx.save(state, checkpoint_id=tmp_path)
     dest = empty_like_state(state)
