@@ -42,7 +42,7 @@ from ._pending import tensor_payload
 from ._plan import plan_local_save
 from ._stateful import wrap_state_dict  # noqa: F401  (CheckpointManager's: dcpx.manager)
 from ._reader import FileSystemReader
-from ._torchcompat import NO_DIST_WARNING, torch_kwargs
+from ._torchcompat import NO_DIST_WARNING, any_checkpointable_tensor, torch_kwargs
 from ._unasked import warn_unloaded
 from ._writer import FileSystemWriter
 from .errors import checkpoint_errors
@@ -229,7 +229,8 @@ def fast_path_state(state_dict: dict, storage_writer, planner, no_dist: bool):
     if not fast_path_eligible(storage_writer, planner, no_dist):
         return None
     flat, mappings = flatten_state_dict(_stateful_to_state_dict(state_dict))
-    if _PLAIN_TENSOR_TYPES.issuperset(map(type, flat.values())):
+    if (_PLAIN_TENSOR_TYPES.issuperset(map(type, flat.values()))
+            and not any_checkpointable_tensor(flat.values())):
         return flat, mappings  # the common case, without a call per value
     for key, v in flat.items():
         if not _plan.plannable(v, False):
@@ -376,7 +377,8 @@ def _all_fast(values, distributed: bool) -> bool:
     """Every flat value is one dcpx's own load path handles (plain tensors,
     DTensors when distributed, non-tensors): decided per type when no value
     is a tensor subclass, per value otherwise."""
-    if all(t in _PLAIN_TENSOR_TYPES or not issubclass(t, torch.Tensor)
-           for t in set(map(type, values))):
+    if (all(t in _PLAIN_TENSOR_TYPES or not issubclass(t, torch.Tensor)
+            for t in set(map(type, values)))
+            and not any_checkpointable_tensor(values)):
         return True
     return all(_plan.plannable(v, distributed) for v in values)

@@ -47,8 +47,10 @@ from ._api import (
     save,
     save_local,
 )
+from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._pending import staged_payload
+from ._torchcompat import HAS_CHECKPOINTABLE_TENSOR, is_checkpointable_tensor
 from ._writer import FileSystemWriter
 from .errors import CheckpointError, checkpoint_future, staging_error
 from .staging import DefaultStager
@@ -130,6 +132,20 @@ def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
                     process_group=process_group, no_dist=no_dist,
                     use_collectives=use_collectives)
     return save_local(writer, *fast, prepare=staged_payload, scanned=scanned)
+
+
+def _refuse_shards_across_processes(state_dict: dict) -> None:
+    """torch >= 2.14: a CheckpointableTensor's shard attributes do not cross
+    into the checkpoint process (dcpx sends its tensors as shared memory, not
+    as Python objects), which would save each as a whole tensor: refused,
+    naming the key, rather than saved wrong."""
+    for key, v in flatten_state_dict(state_dict)[0].items():
+        if is_checkpointable_tensor(v):
+            raise TypeError(
+                f"dcpx: async_save(async_checkpointer_type=PROCESS) cannot save {key!r}: it "
+                f"is a CheckpointableTensor (a shard of a {tuple(v.global_shape)} tensor), "
+                f"whose shard attributes the checkpoint process does not receive; use "
+                f"AsyncCheckpointerType.THREAD or dcpx.save")
 
 
 def _tell_peers(pg, err: BaseException, writer, planner, no_dist: bool,
@@ -257,6 +273,8 @@ def async_save(
     submitted = False
     try:
         flat_sd = _stateful_to_state_dict(state_dict)
+        if process and HAS_CHECKPOINTABLE_TENSOR:
+            _refuse_shards_across_processes(flat_sd)
         try:
             staged = async_stager.stage(flat_sd)
         except Exception as e:

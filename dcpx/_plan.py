@@ -51,7 +51,7 @@ from ._pending import (
     tensor_payload,
     value_payload,
 )
-from ._torchcompat import DTensor, dtensor_chunk, new_metadata
+from ._torchcompat import DTensor, dtensor_chunk, is_checkpointable_tensor, new_metadata
 from .errors import CheckpointError
 
 
@@ -84,14 +84,17 @@ def in_mesh(flat: dict) -> dict:
 def plain_tensor(obj: Any) -> bool:
     """A tensor dcpx saves as its own memory: torch.Tensor, Parameter, or a
     subclass that is not a wrapper carrying its own layout (DTensor,
-    ShardedTensor, anything with ``__tensor_flatten__``).  A subclass
-    without storage is refused by ``check_saveable``, naming its key."""
+    ShardedTensor, anything with ``__tensor_flatten__``), nor a
+    CheckpointableTensor (torch >= 2.14: a shard of a larger tensor,
+    dcpx._torchcompat).  A subclass without storage is refused by
+    ``check_saveable``, naming its key."""
     tp = type(obj)
     if tp is _Tensor or tp is _Parameter:
-        return True
+        return not is_checkpointable_tensor(obj)
     if not isinstance(obj, _Tensor):
         return False
-    return tp.__name__ not in ("DTensor", "ShardedTensor") and not hasattr(obj, "__tensor_flatten__")
+    return (tp.__name__ not in ("DTensor", "ShardedTensor") and not hasattr(obj, "__tensor_flatten__")
+            and not is_checkpointable_tensor(obj))
 
 
 def plannable(obj: Any, distributed: bool) -> bool:

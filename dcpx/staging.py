@@ -50,6 +50,11 @@ from ._dtypes import _TO_DLPACK, dlpack_export, dlpack_view
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._pending import check_saveable, staged_payload, value_payload
+from ._torchcompat import (
+    any_checkpointable_tensor,
+    copy_checkpointable_attrs,
+    is_checkpointable_tensor,
+)
 
 
 from ._torchcompat import DTensor
@@ -217,6 +222,8 @@ class _Layout:
         # staged state dict holds (a DTensor over its staged local shard).
         self.dst = {k: self.buffer.view(o, _local(flat[k])) for k, o in offsets.items()}
         self.staged = {k: _wrap_like(flat[k], d) for k, d in self.dst.items()}
+        # torch >= 2.14: shards of larger tensors take torch's planner (flat_of)
+        self.shards = any_checkpointable_tensor(self.staged.values())
         self.flat = dict(self.staged)  # + each stage's copies of non-tensor values
         self.mappings = mappings
         self.keys = list(flat)
@@ -245,7 +252,7 @@ class _Layout:
             if k not in offsets:
                 values.append((i, k))
             elif (type(v) in _PLAIN and v.is_cpu and v.is_contiguous()
-                  and not v.is_neg() and not v.is_conj()):
+                  and not v.is_neg() and not v.is_conj() and not is_checkpointable_tensor(v)):
                 plain.append((i, type(v), v.dtype, v.shape, v.requires_grad, offsets[k],
                               v.numel() * v.element_size(), v.is_complex()))
             else:
@@ -353,6 +360,8 @@ def _wrap_like(v: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """The staged stand-in for v: dst itself, or for a DTensor a DTensor
     with v's mesh and placements over the staged local shard."""
     if not _is_dtensor(v):
+        if is_checkpointable_tensor(v):  # torch >= 2.14: a shard of a larger tensor
+            copy_checkpointable_attrs(v, dst)
         return dst
     dst.requires_grad_(False)
     out = DTensor.from_local(dst, v.device_mesh, v.placements, run_check=False,
@@ -367,6 +376,10 @@ def _entry_signature(k: str, v: Any) -> Any:
     """What the staging layout depends on for one entry: where and how
     many bytes, and what the staged stand-in is (dtype, shape,
     requires_grad; a DTensor's shard and placements)."""
+    if is_checkpointable_tensor(v):  # torch >= 2.14: its shard attributes too
+        return (k, v.dtype, v.shape, v.requires_grad,
+                ("shard", tuple(v.global_shape), tuple(map(tuple, v.global_offsets)),
+                 tuple(map(tuple, v.local_offsets)), tuple(map(tuple, v.local_sizes))))
     if type(v) is torch.Tensor:
         return (k, v.dtype, v.shape, v.requires_grad, None)
     if not isinstance(v, torch.Tensor):
@@ -548,9 +561,10 @@ class DefaultStager:
 
     def flat_of(self, staged: dict) -> Optional[tuple]:
         """(flat, mappings) of a state dict this stager returned, so the
-        upload need not flatten it again."""
+        upload need not flatten it again; None also when it holds a
+        CheckpointableTensor (torch >= 2.14), which dcpx does not plan."""
         layout = self._layout
-        if layout is not None and self._returned is staged:
+        if layout is not None and self._returned is staged and not layout.shards:
             return layout.flat, layout.mappings
         return None
 
@@ -629,6 +643,8 @@ class DefaultStager:
         for i, _ in layout.values:
             if isinstance(values[i], torch.Tensor):
                 return False
+        if any_checkpointable_tensor(values[p[0]] for p in layout.plain):
+            return False  # torch >= 2.14: a plain entry became a shard (_torchcompat)
         for i, k, _ in layout.others:  # the errors dcpx.save gives, naming the key
             check_saveable(_local(values[i]), k)
         for i, k in layout.values:  # (redone by _stage_new if the check below fails)

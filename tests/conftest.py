@@ -46,6 +46,24 @@ def torch_save_supports(dtype: torch.dtype) -> bool:
         return False
 
 
+def torch_copies(dtype: torch.dtype) -> bool:
+    """Whether torch can copy a tensor of ``dtype`` (``clone``, ``copy_``).
+    torch 2.9 has no copy kernel for float4_e2m1fn_x2 (2.10 and later do):
+    there its own DCP load fails on such a tensor, in ``copy_``."""
+    if dtype not in _COPIES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.zeros(2 * dtype.itemsize, dtype=torch.uint8).view(dtype).clone()
+            _COPIES[dtype] = True
+        except (NotImplementedError, RuntimeError):
+            _COPIES[dtype] = False
+    return _COPIES[dtype]
+
+
+_COPIES: dict = {}
+
+
 PLAIN_DTYPES = [d for d in ALL_DTYPES if not is_quantized_dtype(d)]
 #: every dtype torch.save can store: dcpx must round-trip all of them
 SAVEABLE_DTYPES = [d for d in PLAIN_DTYPES if torch_save_supports(d)]
@@ -185,10 +203,10 @@ def resolved(state: Any) -> Any:
     """What a load gives back for ``state``: tensors as plain contiguous
     copies (conj / neg views resolved), other values as they are."""
     if isinstance(state, torch.Tensor):
-        try:
-            return state.detach().resolve_conj().resolve_neg().contiguous().clone()
-        except NotImplementedError:  # torch 2.8 cannot copy float4_e2m1fn_x2: its bytes
-            return state.detach().view(torch.uint8).contiguous().clone().view(state.dtype)
+        t = state.detach().resolve_conj().resolve_neg()
+        if not torch_copies(t.dtype):  # copied as same-size ints (torch 2.9: float4)
+            return t.view(_SAME_SIZE_INT[t.element_size()]).contiguous().clone().view(t.dtype)
+        return t.contiguous().clone()
     if isinstance(state, dict):
         return {k: resolved(v) for k, v in state.items()}
     if isinstance(state, list):

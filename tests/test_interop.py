@@ -28,6 +28,7 @@ from conftest import (
     make_tensor,
     member_data_offset,
     resolved,
+    torch_copies,
 )
 
 pytestmark = [
@@ -98,8 +99,15 @@ def common_dtypes():
 # --------------------------------------------------------------------------
 # both directions, bit-exact
 
+def torch_loads(dtype) -> bool:
+    """torch DCP's load copies each tensor into its destination: on torch
+    2.9 float4_e2m1fn_x2 has no copy kernel, and torch cannot load it from
+    any checkpoint, its own included (conftest.torch_copies)."""
+    return torch_copies(dtype)
+
+
 def test_dcpx_save_torch_load(tmp_path, gen):
-    state = mixed_state(gen, common_dtypes())
+    state = mixed_state(gen, [d for d in common_dtypes() if torch_loads(d)])
     dcpx.save(state, checkpoint_id=tmp_path)
     dest = empty_like_state(state)
     tdcp.load(dest, checkpoint_id=tmp_path)
@@ -178,7 +186,14 @@ def test_dcpx_reads_torch_metadata(tmp_path, gen):
     written = tdcp.save(state, checkpoint_id=tmp_path)
     read = dcpx.FileSystemReader(tmp_path).read_metadata()
     assert read.state_dict_metadata == written.state_dict_metadata
-    assert read.storage_data == written.storage_data
+    # torch 2.9-2.11: FileSystemWriter.finish() stores a copy of the metadata
+    # (dataclasses.replace), so the Metadata its save() returns has no
+    # storage_data; what torch's reader reads from the same files has it.
+    theirs = tdcp.FileSystemReader(tmp_path).read_metadata()
+    assert theirs.storage_data
+    assert read.storage_data == theirs.storage_data
+    if written.storage_data is not None:
+        assert read.storage_data == written.storage_data
 
 
 # --------------------------------------------------------------------------

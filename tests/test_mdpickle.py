@@ -50,6 +50,7 @@ from conftest import (
     empty_like_state,
     make_tensor,
     resolved,
+    torch_copies,
 )
 
 _ATOMS = (type(None), bool, int, float)
@@ -362,10 +363,14 @@ def test_torch_reads_and_loads_a_checkpoint_whose_metadata_c_wrote(tmp_path, mon
     dcpx.save(sd, checkpoint_id=path)
     md = dcp.FileSystemReader(path).read_metadata()
     assert set(md.state_dict_metadata) >= {f"t{i}" for i in range(len(SAVEABLE_DTYPES))}
-    out = empty_like_state(sd)
+    # torch loads every key but those of a dtype it cannot copy (torch 2.9:
+    # float4_e2m1fn_x2, conftest.torch_copies); it reads all of their metadata
+    loadable = {k: v for k, v in sd.items()
+                if not isinstance(v, torch.Tensor) or torch_copies(v.dtype)}
+    out = empty_like_state(loadable)
     out["nested"]["s"] = ""
     dcp.load(out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    assert_state_bit_equal(out, resolved(sd))
+    assert_state_bit_equal(out, resolved(loadable))
 
 
 # --------------------------------------------------------------------------
