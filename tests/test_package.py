@@ -81,8 +81,11 @@ def _venv_with_this_torch(tmp_path: Path) -> Path:
     py = venv / "bin" / "python"
     site = _run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout
     torch_site = os.path.dirname(os.path.dirname(torch.__file__))
-    Path(site.strip(), "_test_torch.pth").write_text(
-        f"import site; site.addsitedir({torch_site!r})\n")
+    # A plain path line: the folder joins sys.path, but its own .pth files
+    # are not run, so an editable dcpx installed beside this torch (the
+    # suite's .venv when it installed torch itself, as on a fresh CI
+    # machine) does not come along.
+    Path(site.strip(), "_test_torch.pth").write_text(torch_site + "\n")
     return venv
 
 
