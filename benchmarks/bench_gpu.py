@@ -192,6 +192,17 @@ def _train_step(a, b, k):
     return a
 
 
+def stager_spent(stager) -> bool:
+    """torch 2.10-2.12's DefaultStager empties its copy table (and its
+    storage cache) at the end of every stage (staging.py ``_stage`` calls
+    ``_state_dict_stager.close()``): staging again with it fails with
+    ``KeyError: <class 'type'>``.  Such a stager is replaced before each
+    save, as a training loop on those versions would have to."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    table = getattr(inner, "_deepcopy_dispatch", None)
+    return isinstance(table, dict) and not table
+
+
 def bench_async(case, sd, repeat, work, step_matmuls, with_steps):
     import dcpx
     import torch.distributed.checkpoint as tdcp
@@ -214,6 +225,9 @@ def bench_async(case, sd, repeat, work, step_matmuls, with_steps):
                 alone.append(perf() - t0)
         for i in range(repeat + 1):
             path = os.path.join(work, f"{lib}-{case}-{i}")
+            if stager_spent(stager):  # torch 2.10-2.12: a new one per save
+                stager.close()
+                stager = make_stager()
             _sync()
             t0 = perf()
             resp = save(sd, checkpoint_id=path, async_stager=stager)

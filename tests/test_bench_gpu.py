@@ -78,3 +78,15 @@ def test_the_report_names_the_device_and_judges_the_goals():
     assert bench.fmt(math.nan) == "n/a" and bench.verdict(math.nan, 0.9) == "n/a"
     empty = bench.render({}, meta).splitlines()  # the four tables, with no rows
     assert sum(line.startswith("|---") for line in empty) == 4
+
+
+def test_a_spent_torch_stager_is_recognised():
+    """torch 2.10-2.12 clear their DefaultStager's copy table after each
+    stage; the benchmark replaces such a stager before the next save."""
+    import types
+    bench = _module()
+    spent = types.SimpleNamespace(_state_dict_stager=types.SimpleNamespace(_deepcopy_dispatch={}))
+    live = types.SimpleNamespace(_state_dict_stager=types.SimpleNamespace(
+        _deepcopy_dispatch={dict: None}))
+    assert bench.stager_spent(spent) and not bench.stager_spent(live)
+    assert not bench.stager_spent(object())  # dcpx's stager has no such table

@@ -351,6 +351,9 @@ def test_a_fork_after_cuda_use(tmp_path):
             out = {"y": torch.zeros(1000, dtype=torch.int64)}
             dcpx.load(out, checkpoint_id=str(tmp_path / "child"))
             code = 0 if torch.equal(out["y"], cpu["y"]) else 2
+        except BaseException:
+            import traceback
+            traceback.print_exc()
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
