@@ -310,6 +310,12 @@ def main(argv=None) -> int:
         print(NO_CUDA, file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+    # torch's shared-memory staging (StagingOptions(use_shared_memory=True))
+    # holds a file descriptor per staged storage: 20,000 small tensors pass
+    # the usual soft limit of 1,024 ("Too many open files").
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     torch.cuda.set_device(args.device)
     dev = torch.device("cuda", args.device)
     meta = machine(args, argv)

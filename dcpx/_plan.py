@@ -163,7 +163,10 @@ def scan(flat: dict, prepare: Callable,
     of dcpx/_pending.py are looked at in one C pass (csrc/payloads.c,
     ``_C.scan_plain``), the rest here."""
     values = list(flat.values())
-    cuda = torch.cuda.is_available()
+    # Pinned memory exists only once torch has initialised CUDA in this
+    # process; asking is_pinned() before that would initialise it, and in
+    # a child forked after CUDA use fails (CUDA 'initialization error').
+    cuda = torch.cuda.is_initialized()
     if (prepare is tensor_payload or prepare is staged_payload) and _TO_DLPACK is not None:
         payloads, todo, same = _C.scan_plain(values, expect, _DIRECT, dl_dtypes(), _TO_DLPACK,
                                              cuda)

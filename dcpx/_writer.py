@@ -388,7 +388,8 @@ class FileSystemWriter(StorageWriter):
             if isinstance(value, torch.Tensor):
                 # The save paths' own metadata (shared properties and
                 # offsets: a compact .metadata for many tensors).
-                md = sdm[fqn] = _metadata.tensor_metadata(value, value.is_pinned())
+                md = sdm[fqn] = _metadata.tensor_metadata(
+                    value, torch.cuda.is_initialized() and value.is_pinned())
                 index = MetadataIndex(fqn, md.chunks[0].offsets, 0)
                 entry = self._tensor_entry(index, value)
             else:
