@@ -90,3 +90,20 @@ def test_a_spent_torch_stager_is_recognised():
         _deepcopy_dispatch={dict: None}))
     assert bench.stager_spent(spent) and not bench.stager_spent(live)
     assert not bench.stager_spent(object())  # dcpx's stager has no such table
+
+
+def test_a_failed_torch_save_is_reported_not_fatal():
+    """torch 2.11's shared-memory stager fails on 20,000 tensors on the GPU
+    machine ("Too many open files"): the report says so in its row."""
+    bench = _module()
+    meta = {"date": "d", "device": "GPU", "driver": "13.0", "torch": "2.11.0",
+            "dcpx_rev": "r", "command": "c"}
+    nan = float("nan")
+    results = {"async_save": [
+        {"case": "20000 small", "lib": "torch", "call_s": nan, "staged_s": nan,
+         "upload_s": nan, "error": "RuntimeError: Too many open files"},
+        {"case": "20000 small", "lib": "dcpx", "call_s": 0.001, "staged_s": 0.05,
+         "upload_s": 0.4, "error": None}]}
+    md = bench.render(results, meta)
+    assert "| 20000 small | torch | failed: RuntimeError: Too many open files | | |" in md
+    assert "| 20000 small | dcpx | 0.0010 | 0.0500 | 0.400 |" in md
