@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""GPU benchmark of dcpx's CUDA path (issue 11, "Verify on a GPU").  NOT YET RUN ON A GPU.
+"""GPU benchmark of dcpx's CUDA path (issue 11, "Verify on a GPU").
 
-It was written on a machine without one: its pure-Python parts (arguments, result formatting)
-are tested by tests/test_bench_gpu.py, its measuring parts have never run.  Without a CUDA
-device it prints why and exits with status 2.
+Run once on an H200 at 8 GiB (benchmarks/results/gpu_h200/); its pure-Python parts (arguments,
+result formatting) are tested by tests/test_bench_gpu.py.  Without a CUDA device it prints why
+and exits with status 2.
 
 What one run measures, on one device (``--device``), for a state dict of large fp32 tensors
 per ``--gib`` size (default 1; ``--big`` adds 8) and one of ``--small-count`` small tensors

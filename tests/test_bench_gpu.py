@@ -1,6 +1,6 @@
 """benchmarks/bench_gpu.py without a GPU: it exits cleanly with status 2 and
 says why, and its pure-Python parts (arguments, result formatting) work.
-Its measuring parts need CUDA and have not run (docs/design.md, "CUDA path")."""
+Its measuring parts need CUDA (run on a GPU by scripts/gpu_check.sh)."""
 from __future__ import annotations
 
 import importlib.util
