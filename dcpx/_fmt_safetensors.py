@@ -145,13 +145,28 @@ def storage_infos(name: str, layout: Sequence[tuple[int, int]], places: list) ->
 
 # ------------------------------------------------------------------ reading
 
+def chunk_at(sdm: dict, by_key: dict, fqn: str, offsets) -> Optional[object]:
+    """The chunk of tensor ``fqn`` starting at ``offsets`` (the first, when
+    the metadata repeats one), or None; ``by_key`` caches each key's
+    offsets-to-chunk map, so that a key's many chunks are looked up in
+    constant time each (issue 21: nothing quadratic in a key's chunks)."""
+    chunks = by_key.get(fqn)
+    if chunks is None:
+        chunks = by_key[fqn] = {}
+        md = sdm.get(fqn)
+        if isinstance(md, TensorStorageMetadata):
+            for ch in md.chunks:
+                chunks.setdefault(tuple(ch.offsets), ch)
+    return chunks.get(tuple(offsets))
+
+
 def candidates(metadata: Metadata) -> set:
     """The (file, offset) pairs that may start a safetensors blob: where a
     tensor entry's length is exactly its chunk's byte count (a TORCH_SAVE
     record is always longer: its zip records surround the bytes), or where
     two tensor entries start.  Nothing is read."""
     sdm = metadata.state_dict_metadata
-    seen, out = set(), set()
+    seen, out, by_key = set(), set(), {}
     for index, info in metadata.storage_data.items():
         if (index.offset is None or not isinstance(info, _StorageInfo)
                 or getattr(info, "transform_descriptors", None)):
@@ -161,14 +176,10 @@ def candidates(metadata: Metadata) -> set:
             out.add(where)
             continue
         seen.add(where)
-        md = sdm.get(index.fqn)
-        if not isinstance(md, TensorStorageMetadata):
-            continue
-        for ch in md.chunks:
-            if tuple(ch.offsets) == tuple(index.offset):
-                if info.length == ch.sizes.numel() * md.properties.dtype.itemsize:
-                    out.add(where)
-                break
+        ch = chunk_at(sdm, by_key, index.fqn, index.offset)
+        if ch is not None and info.length == (ch.sizes.numel()
+                                              * sdm[index.fqn].properties.dtype.itemsize):
+            out.add(where)
     return out
 
 

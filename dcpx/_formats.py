@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from . import _fmt_safetensors as st
 from ._files import open_regular
@@ -79,6 +79,7 @@ def resolve(directory: Path, metadata: Metadata) -> Metadata:
     sdm = metadata.state_dict_metadata
     storage = dict(metadata.storage_data)
     sharding = {k: st.sharding_info(b) for k, b in blobs.items()}
+    by_key: dict = {}
     for index, info in metadata.storage_data.items():
         if index.offset is None:
             continue
@@ -86,16 +87,12 @@ def resolve(directory: Path, metadata: Metadata) -> Metadata:
         blob = blobs.get(where)
         if blob is None:
             continue
-        md = sdm.get(index.fqn)
-        chunk = None
-        if isinstance(md, TensorStorageMetadata):
-            chunk = next((ch for ch in md.chunks if tuple(ch.offsets) == tuple(index.offset)),
-                         None)
+        chunk = st.chunk_at(sdm, by_key, index.fqn, index.offset)
         if chunk is None:
             raise CorruptCheckpointError(
                 f"{blob.path}: key {index.fqn!r}: the metadata has no tensor chunk at "
                 f"{tuple(index.offset)} for this safetensors entry")
-        storage[index] = st.resolve_entry(blob, index, info, md.properties.dtype,
+        storage[index] = st.resolve_entry(blob, index, info, sdm[index.fqn].properties.dtype,
                                           tuple(chunk.sizes), sharding[where])
     out = copy.copy(metadata)
     out.storage_data = storage

@@ -417,9 +417,11 @@ class FsspecReader(StorageReader):
                 # In turns of _TEMP_BUDGET bytes, in the plan's order: the
                 # local space and memory a load needs are bounded, not the
                 # size of what it loads.
+                # The local reader's entries are resolved (a SAFETENSORS
+                # tensor's to its own bytes, dcpx._formats): fetch those.
+                resolved = local.storage_data
                 for items in self._turns(plan.items):
-                    touched = self._fetch(tmp, [self.storage_data[r.storage_index]
-                                                for r in items])
+                    touched = self._fetch(tmp, [resolved[r.storage_index] for r in items])
                     local.read_data(dataclasses.replace(plan, items=items), planner).wait()
                     self._free(tmp, touched)
             except (CheckpointError, OSError) as e:
@@ -483,7 +485,7 @@ class FsspecReader(StorageReader):
             with open(os.path.join(tmp, rel), "rb") as f:
                 f.seek(off)
                 n = int.from_bytes(f.read(8), "little")
-            end = min(off + 8 + min(n, 100_000_000), size)
+            end = min(off + 8 + min(n, _fmt_safetensors.MAX_HEADER), size)
             if end > off + 8:
                 self._fetch_batch(tmp, [(rel, off + 8, end)])
 
@@ -516,15 +518,9 @@ class FsspecReader(StorageReader):
         size, so that what is fetched is at most twice what is needed; in
         bounded batches); returns the names of the files written."""
         ranges: dict[str, list] = {}
-        # a SAFETENSORS tensor's entry is its blob's start and byte count:
-        # its header and bytes lie anywhere after it (dcpx._fmt_safetensors)
-        blobs = _fmt_safetensors.candidates(self._metadata) if self._metadata else set()
         for info in infos:
-            if isinstance(info.offset, int) and isinstance(info.length, int) and (
-                    info.length > 0 or (info.relative_path, info.offset) in blobs):
+            if isinstance(info.offset, int) and isinstance(info.length, int) and info.length > 0:
                 end = min(info.offset + info.length, self._sizes.get(info.relative_path, 0))
-                if (info.relative_path, info.offset) in blobs:
-                    end = self._sizes.get(info.relative_path, 0)
                 if end > info.offset:  # else the local reader reports the bad extent
                     ranges.setdefault(info.relative_path, []).append((info.offset, end))
         pieces = []
