@@ -115,9 +115,13 @@ def encode(data: Any, extensions: Sequence[Any]) -> tuple[bytes, list[str]]:
 
 
 def check_extensions(extensions: Optional[Sequence[Any]]) -> list:
-    """The writer's extensions, checked: each a StreamTransformExtension."""
-    from torch.distributed.checkpoint._extension import StreamTransformExtension
+    """The writer's extensions, checked: each a StreamTransformExtension.
+    torch's extension module is imported only when there are some: torch
+    2.4 - 2.6 have none (torch.distributed.checkpoint._extension)."""
     exts = list(extensions or ())
+    if not exts:
+        return exts
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
     for ex in exts:
         if not isinstance(ex, StreamTransformExtension):
             raise TypeError(f"dcpx: _extensions must be StreamTransformExtension instances, "

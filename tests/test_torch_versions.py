@@ -111,3 +111,25 @@ def test_process_async_save_refuses_checkpointable_tensor(tmp_path):
         dcpx.async_save({"layer": {"w": two_shards()}}, checkpoint_id=tmp_path,
                         async_checkpointer_type=dcpx.AsyncCheckpointerType.PROCESS)
     assert not (tmp_path / ".metadata").exists()
+
+
+def test_the_cli_reads_this_torchs_checkpoints(tmp_path, capsys):
+    """dcpx inspect / verify on a checkpoint saved with this torch, and on
+    one whose Metadata records no version (torch <= 2.8 has no such field;
+    inspect read ``md.version`` and failed there with AttributeError, and on
+    newer torch called such a .metadata unreadable)."""
+    import pickle
+
+    from dcpx.cli import main
+    sd = {"w": torch.arange(6.0), "step": 3}
+    dcpx.save(sd, checkpoint_id=tmp_path / "a")
+    assert main(["inspect", str(tmp_path / "a")]) == 0
+    assert main(["verify", str(tmp_path / "a")]) == 0
+    md = dcpx.FileSystemReader(tmp_path / "a").read_metadata()
+    if hasattr(md, "version"):
+        md.version = None  # as torch <= 2.8 wrote it
+        (tmp_path / "a" / ".metadata").write_bytes(pickle.dumps(md))
+        capsys.readouterr()
+        assert main(["inspect", str(tmp_path / "a")]) == 0
+        out = capsys.readouterr().out
+        assert "unreadable" not in out and "version none recorded" in out and "w" in out

@@ -153,7 +153,8 @@ def describe(path: str, *, values: Any = True) -> dict:
             entry["damaged"] = True
             problems.extend({"key": key, "error": e} for e in errors)
         keys[key] = entry
-    return {"path": str(path), "version": md.version,
+    # torch <= 2.8's Metadata has no version (and older checkpoints none set)
+    return {"path": str(path), "version": getattr(md, "version", None),
             "tensors": sum(1 for k in keys.values() if k["type"] == "tensor"),
             "values": sum(1 for k in keys.values() if k["type"] == "value"),
             "tensor_bytes": tensor_bytes,
@@ -196,13 +197,14 @@ def inspect_checkpoint(path: str, limit: int, out=None, as_json: bool = False) -
 
 def _print_text(d: dict, path: str, limit: int, out) -> None:
     print(f"checkpoint {path}", file=out)
-    if d["version"] is None:
+    if any(p["key"] == ".metadata" for p in d["problems"]):
         print(f"  .metadata unreadable; {len(d['files'])} other files "
               f"({human(sum(d['files'].values()))})", file=out)
         for name, n in d["files"].items():
             print(f"  {name}: {human(n)}", file=out)
     else:
-        print(f"  version {d['version']}, {d['tensors']} tensors ({human(d['tensor_bytes'])}), "
+        version = "none recorded" if d["version"] is None else d["version"]
+        print(f"  version {version}, {d['tensors']} tensors ({human(d['tensor_bytes'])}), "
               f"{d['values']} other values, "
               f"{len(d['files'])} data files ({human(sum(d['files'].values()))})", file=out)
     shown = 0
