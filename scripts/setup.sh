@@ -73,9 +73,11 @@ fi
 if [ "$torch_action" = none ] && { [ -n "${DCPX_TORCH_SPEC:-}" ] || [ -n "$TORCH_INDEX" ]; }; then
     have=$(torch_of "$VENV/bin/python")
     want=""
-    case "${DCPX_TORCH_SPEC:-}" in torch==*) want=${DCPX_TORCH_SPEC#torch==} ;; esac
-    if [ -n "${DCPX_TORCH_SPEC:-}" ] && [ "${have%% *}" != "$want" ] \
-            && [ "${have%%+*}" != "$want" ]; then
+    case "${DCPX_TORCH_SPEC:-}" in
+        torch==*) want=${DCPX_TORCH_SPEC#torch==} ;;
+        *.whl) want=$(basename "$DCPX_TORCH_SPEC"); want=${want#torch-}; want=${want%%-*} ;;
+    esac
+    if [ -n "$want" ] && [ "${have%% *}" != "$want" ] && [ "${have%%+*}" != "$want" ]; then
         echo "setup: $VENV is already set up, with torch ${have%% *}; DCPX_TORCH_SPEC=$DCPX_TORCH_SPEC" \
              "applies only when the venv is created. Delete it (rm -rf $VENV) to set up with that" \
              "torch, or unset DCPX_TORCH_SPEC to use the torch it has." >&2

@@ -2,7 +2,7 @@
 has them only in the private ``torch.distributed._tensor`` (torch 2.5 made
 ``torch.distributed.tensor`` public)."""
 try:
-    from dtensor_api import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 except ImportError:  # torch 2.4
     from torch.distributed._tensor import (  # type: ignore[no-redef]
         DTensor,

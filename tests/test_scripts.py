@@ -159,6 +159,12 @@ def test_torch_choice_for_an_existing_venv_is_not_ignored_silently(tmp_path):
     run = _setup_dry_run(repo, DCPX_TORCH_SPEC=f"torch=={base}")
     assert run.returncode == 0, run.stderr
     assert "apply only when it is created" in run.stderr
+    # a wheel file: judged by the version in its name
+    run = _setup_dry_run(repo, DCPX_TORCH_SPEC=f"/x/torch-{torch.__version__}-cp311-cp311-"
+                                                "manylinux_2_28_x86_64.whl")
+    assert run.returncode == 0 and "apply only when it is created" in run.stderr, run.stderr
+    run = _setup_dry_run(repo, DCPX_TORCH_SPEC="/x/torch-2.8.0-cp311-cp311-linux_x86_64.whl")
+    assert run.returncode == 2 and "already set up, with torch" in run.stderr, run.stderr
     run = _setup_dry_run(repo, DCPX_TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu")
     assert run.returncode == 0 and "apply only when it is created" in run.stderr, run.stderr
     run = _setup_dry_run(repo)
