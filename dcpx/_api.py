@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _dist, _guard, _locks, _plan, _planner_state
+from . import _dist, _guard, _locks, _plan, _planner_state, _torchcompat
 from ._bc import positional_storage
 from ._files import LOCAL_PROTOCOLS, url_protocol
 from ._flatten import flatten_state_dict
@@ -322,7 +322,8 @@ def load(
     reader = _reader_for(storage_reader, checkpoint_id)
     # An async_save into this directory still uploading: its commit first.
     _locks.wait_for_saves(reader)
-    keys = sorted(state_dict.keys())
+    distributed = _dist_in_use(no_dist)
+    keys = _torchcompat.load_key_order(state_dict.keys(), distributed)
     values = list(map(state_dict.__getitem__, keys))
     if _NEVER_STATEFUL.issuperset(map(type, values)):  # the common case, at C speed
         stateful_sd, any_stateful = dict(zip(keys, values)), False
@@ -331,7 +332,6 @@ def load(
                        for k, v in zip(keys, values)}
         any_stateful = True
     del values
-    distributed = _dist_in_use(no_dist)
     partial = getattr(planner, "allow_partial_load", False)
     # One GC pause over the flattening and the local load: the ~2 objects
     # per tensor they make are freed before it ends, so that its end does

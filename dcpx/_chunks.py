@@ -144,27 +144,21 @@ def _gap_at(cuts: list, cell: tuple) -> str:
     return f"no chunk holds its elements at {at} (the chunks do not cover it)"
 
 
-def sweep_dim(local: tuple, saved: Sequence) -> int:
-    """The dimension torch sweeps along: the one whose largest end, over the
-    destination region and every saved chunk, is largest (the first such)."""
-    offsets, sizes = local
-    nd = len(offsets)
-    if nd <= 1:
-        return 0
-    best, dim = 0, 0
-    for d in range(nd):
-        end = max([offsets[d] + sizes[d]] + [int(c.offsets[d]) + int(c.sizes[d]) for c in saved])
-        if end > best:
-            best, dim = end, d
-    return dim
-
-
-def torch_order(local: tuple, saved: Sequence, picked: Sequence[int]) -> list[int]:
-    """``picked`` (positions in ``saved``, all of a key's chunks as the
-    metadata lists them) in the order torch's load copies them into the
-    region ``local`` (offsets, sizes): by end along the sweep dimension,
-    then position."""
-    if not local[0]:
-        return sorted(picked)
-    d = sweep_dim(local, saved)
-    return sorted(picked, key=lambda i: (int(saved[i].offsets[d]) + int(saved[i].sizes[d]), i))
+def torch_order(fqn: str, md, local: tuple, picked: Sequence[int]) -> list[int]:
+    """``picked`` (positions in ``md.chunks``, the key's saved chunks that
+    meet the region ``local`` = (offsets, sizes)) in the order the installed
+    torch's load copies them into that region: asked of torch's own planner
+    helper, whose order changed in torch 2.11 (a sweep along one dimension;
+    before, the metadata's order)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+    region = ChunkStorageMetadata(offsets=torch.Size(local[0]), sizes=torch.Size(local[1]))
+    slots: dict = {}
+    for i in sorted(picked):
+        slots.setdefault(tuple(md.chunks[i].offsets), []).append(i)
+    out = []
+    for item in create_read_items_for_chunk_list(fqn, md, [region]):
+        q = slots.get(tuple(item.storage_index.offset))
+        if q:
+            out.append(q.pop(0))
+    return out + sorted(i for q in slots.values() for i in q)  # none left, as torch reads all

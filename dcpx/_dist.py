@@ -929,11 +929,17 @@ def _torch_ordered(sdm: dict, storage: dict, flat: dict, overlapped: dict) -> li
     """The reads of the keys whose saved chunks overlap, in the order torch's
     load applies them: its read items grouped by data file, the files in
     the order they first appear in the whole plan (the state dict's keys in
-    order, each key's chunks in ``_chunks.torch_order``), the items of one
+    order, each key's chunks in torch's order: ``_chunks.torch_order``), the items of one
     file in plan order (torch ``FileSystemReader.read_data``)."""
+    order = {}  # per overlapped key: its chunks' positions, in torch's order
+    for fqn, (_, chunks, region) in overlapped.items():
+        md = sdm[fqn]
+        where = {id(c): i for i, c in enumerate(md.chunks)}
+        order[fqn] = _chunks.torch_order(fqn, md, region, [where[id(c)] for c in chunks])
     rank: dict = {}
-    last = max(list(flat).index(k) for k in overlapped)
-    for fqn in list(flat)[:last + 1]:
+    keys = list(flat)
+    last = max(keys.index(k) for k in overlapped)
+    for fqn in keys[:last + 1]:
         md = sdm.get(fqn)
         if md is None:
             continue
@@ -943,16 +949,15 @@ def _torch_ordered(sdm: dict, storage: dict, flat: dict, overlapped: dict) -> li
                 rank.setdefault(info.relative_path, len(rank))
             continue
         if fqn in overlapped:
-            _, chunks, region = overlapped[fqn]
-            where = {id(c): i for i, c in enumerate(md.chunks)}
-            picked = [where[id(c)] for c in chunks]
+            ordered = order[fqn]
         else:
             if not isinstance(flat[fqn], torch.Tensor):
                 continue
             _, offsets, sizes = local_chunk(flat[fqn])
             region = (tuple(offsets), tuple(sizes))
-            picked = [i for i, c in enumerate(md.chunks) if _meets(region, c)]
-        for i in _chunks.torch_order(region, md.chunks, picked):
+            ordered = _chunks.torch_order(
+                fqn, md, region, [i for i, c in enumerate(md.chunks) if _meets(region, c)])
+        for i in ordered:
             info = storage.get((fqn, tuple(md.chunks[i].offsets)))
             if info is not None:
                 rank.setdefault(info.relative_path, len(rank))
@@ -961,7 +966,7 @@ def _torch_ordered(sdm: dict, storage: dict, flat: dict, overlapped: dict) -> li
         md = sdm[fqn]
         where = {id(c): i for i, c in enumerate(md.chunks)}
         picked = [where[id(c)] for c in chunks]
-        pos = {i: p for p, i in enumerate(_chunks.torch_order(region, md.chunks, picked))}
+        pos = {i: p for p, i in enumerate(order[fqn])}
         out.extend(mine[k] for k in sorted(
             range(len(mine)), key=lambda k: (rank[mine[k].info.relative_path],
                                              pos[picked[k]])))

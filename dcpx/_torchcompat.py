@@ -169,6 +169,37 @@ def torch_kwargs(fn: Any, name: str, **kw: Any) -> dict:
     return out
 
 
+# torch 2.4-2.6: load() without torch.distributed in use takes the state
+# dict's keys in their own order (with it: the keys gathered from every
+# rank, sorted); later torch sorts them always (pytorch#145998, which also
+# added ``checkpoint.utils._assert_same_keys``: the feature tested).  The
+# order shows where saved chunks overlap: the later read wins.
+def load_key_order(keys: Iterable[Any], distributed: bool) -> list:
+    """The order in which the installed torch's load() takes the top-level
+    keys of a state dict."""
+    from torch.distributed.checkpoint import utils as _dcp_utils
+    if distributed or hasattr(_dcp_utils, "_assert_same_keys"):
+        return sorted(keys)
+    return list(keys)
+
+
+# torch.save's zip writer, ``torch._C.PyTorchFileWriter``: torch 2.4-2.5
+# take (file), 2.6-2.7 (file, compute_crc32), 2.8 and later (file,
+# compute_crc32, storage_alignment); every one writes CRCs and aligns
+# records at 64 bytes unless told otherwise.
+def torch_file_writer(f: Any, align: int) -> Any:
+    """A ``PyTorchFileWriter`` over the open file ``f`` that writes record
+    CRCs and aligns records at ``align`` bytes, as the installed torch's
+    ``torch.save`` does."""
+    import torch
+    for args in ((f, True, align), (f, True), (f,)):
+        try:
+            return torch._C.PyTorchFileWriter(*args)
+        except TypeError:
+            continue
+    raise TypeError(f"torch {_torch_version()}: no PyTorchFileWriter constructor dcpx knows")
+
+
 def _torch_version() -> str:
     import torch
     return torch.__version__

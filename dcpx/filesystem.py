@@ -51,6 +51,7 @@ from ._byteorder import archive_byteorder, swap_untyped, tensors_in  # noqa: F40
 from ._flatten import flatten_state_dict  # noqa: F401  (the CLI reads torch.save files by it)
 from ._fmt_safetensors import is_raw  # noqa: F401  (a SAFETENSORS tensor's resolved entry)
 from ._reader import FileSystemReader, check_castable, check_zip_crcs  # noqa: F401
+from ._torchcompat import torch_file_writer  # noqa: F401  (convert's torch.save writer)
 from ._writer import FileSystemWriter, _path_key, _RankPath, complete_metadata  # noqa: F401
 
 

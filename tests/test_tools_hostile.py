@@ -27,6 +27,7 @@ from dcpx import _chunks
 from dcpx._metadata import METADATA_FN
 from dcpx.cli import main
 from dcpx.errors import CorruptCheckpointError
+from conftest import torch_save_supports
 
 
 def _cli(*argv) -> int:
@@ -160,8 +161,8 @@ def test_convert_refuses_a_record_shorter_than_its_pickle_claims(tmp_path, capsy
     torch.save({"a": torch.arange(64, dtype=torch.float32), "b": torch.ones(64)}, src)
     bad = tmp_path / "bad.pt"
     _short_record(src, bad, "data/0", 16)
-    with pytest.raises(Exception):
-        torch.load(bad, weights_only=True)           # plain torch.load refuses it
+    # torch.load >= 2.9 refuses it; torch 2.4-2.8 load the 256 bytes from
+    # the record's start, past its end into the zip's next bytes.
     assert _cli("convert", bad, tmp_path / "out.safetensors") == 1
     err = capsys.readouterr().err
     assert "data/0" in err and "16 bytes" in err and "256" in err
@@ -285,6 +286,8 @@ def test_retention_deletes_a_symlinked_step_as_a_link(tmp_path):
     (torch.uint64, 2**64 - 1, 2**64 - 2),
 ])
 def test_diff_tolerance_compares_64_bit_integers_exactly(tmp_path, capsys, dtype, x, y):
+    if not torch_save_supports(dtype):
+        pytest.skip(f"torch {torch.__version__}'s torch.save has no {dtype}")
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
     torch.save({"n": torch.tensor([x, 5], dtype=dtype)}, a)
     torch.save({"n": torch.tensor([y, 5], dtype=dtype)}, b)

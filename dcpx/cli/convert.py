@@ -339,7 +339,7 @@ def _check_loads(tmp: Path, dst: Path) -> None:
 
 
 def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
-    from ..filesystem import check_saveable
+    from ..filesystem import check_saveable, torch_file_writer
     entries = src.entries()
     obj: dict[str, Any] = {}
     skipped = []
@@ -367,7 +367,7 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
     tmp = _tmp(dst)
     try:
         with open(tmp, "wb") as f, progress(total, "convert", enabled=bar_on) as bar:
-            w = torch._C.PyTorchFileWriter(f, True, int(align))
+            w = torch_file_writer(f, int(align))
             ended = False
             try:
                 w.write_record("data.pkl", data, len(data))
