@@ -186,7 +186,27 @@ def load_key_order(keys: Iterable[Any], distributed: bool) -> list:
 # torch.save's zip writer, ``torch._C.PyTorchFileWriter``: torch 2.4-2.5
 # take (file), 2.6-2.7 (file, compute_crc32), 2.8 and later (file,
 # compute_crc32, storage_alignment); every one writes CRCs and aligns
-# records at 64 bytes unless told otherwise.
+# records at 64 bytes unless told otherwise.  torch.save writes the
+# ``.format_version`` and ``.storage_alignment`` records from 2.8 on.
+def torch_save_alignment() -> int:
+    """The record alignment of the installed torch's ``torch.save`` (64
+    where torch has no setting for it: 2.4-2.7)."""
+    import torch
+    get = getattr(torch.serialization, "_get_storage_alignment", None)
+    return int(get()) if get is not None else 64
+
+
+def torch_save_header(align: int) -> list:
+    """The records the installed torch's ``torch.save`` writes after
+    ``data.pkl`` and before ``byteorder``: ``.format_version`` and
+    ``.storage_alignment`` from torch 2.8 (with the alignment setting),
+    none before."""
+    import torch
+    if not hasattr(torch.serialization, "_get_storage_alignment"):
+        return []
+    return [(".format_version", "1"), (".storage_alignment", str(align))]
+
+
 def torch_file_writer(f: Any, align: int) -> Any:
     """A ``PyTorchFileWriter`` over the open file ``f`` that writes record
     CRCs and aligns records at ``align`` bytes, as the installed torch's

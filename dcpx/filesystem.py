@@ -51,7 +51,8 @@ from ._byteorder import archive_byteorder, swap_untyped, tensors_in  # noqa: F40
 from ._flatten import flatten_state_dict  # noqa: F401  (the CLI reads torch.save files by it)
 from ._fmt_safetensors import is_raw  # noqa: F401  (a SAFETENSORS tensor's resolved entry)
 from ._reader import FileSystemReader, check_castable, check_zip_crcs  # noqa: F401
-from ._torchcompat import torch_file_writer  # noqa: F401  (convert's torch.save writer)
+from ._torchcompat import (  # noqa: F401  (convert's torch.save writer)
+    torch_file_writer, torch_save_alignment, torch_save_header)
 from ._writer import FileSystemWriter, _path_key, _RankPath, complete_metadata  # noqa: F401
 
 

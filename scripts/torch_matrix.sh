@@ -57,7 +57,8 @@ export UV_LINK_MODE=${UV_LINK_MODE:-hardlink}
 
 SUBSET="tests/test_torch_names.py tests/test_torch_versions.py tests/test_interop.py
 tests/test_roundtrip.py tests/test_mdpickle.py tests/test_plan.py tests/test_storage_api.py
-tests/test_monkeypatch.py tests/test_async.py tests/test_dist_sharded.py"
+tests/test_monkeypatch.py tests/test_async.py tests/test_dist_sharded.py tests/test_cli.py
+tests/test_cli_commands.py tests/test_tools_hostile.py"
 TESTS=${DCPX_MATRIX_TESTS:-$SUBSET}
 
 # The newest patch release of each minor version (PyPI, 2026-11).

@@ -46,6 +46,25 @@ def torch_save_supports(dtype: torch.dtype) -> bool:
         return False
 
 
+def safe_loader_takes_numpy() -> bool:
+    """Whether dcpx's safe unpickler takes numpy arrays (it adds them to
+    torch's allow-list; not on torch 2.4, whose unpickler lacks what their
+    pickles call)."""
+    import tempfile
+
+    import numpy as np
+
+    import dcpx
+    from dcpx.errors import UnsafeCheckpointError
+    with tempfile.TemporaryDirectory() as d:
+        dcpx.save({"a": np.arange(3)}, checkpoint_id=d)
+        try:
+            dcpx.load({"a": None}, checkpoint_id=d)
+            return True
+        except UnsafeCheckpointError:
+            return False
+
+
 def torch_copies(dtype: torch.dtype) -> bool:
     """Whether torch can copy a tensor of ``dtype`` (``clone``, ``copy_``).
     torch 2.9 has no copy kernel for float4_e2m1fn_x2 (2.10 and later do):

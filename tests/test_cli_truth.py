@@ -25,7 +25,7 @@ import torch
 import dcpx
 from dcpx.cli import main
 
-from conftest import assert_bit_equal
+from conftest import assert_bit_equal, safe_loader_takes_numpy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,6 +82,8 @@ def test_inspect_shows_values_in_the_listing_and_json(tmp_path, capsys):
 
 def test_inspect_shows_numpy_values(tmp_path, capsys):
     np = pytest.importorskip("numpy")
+    if not safe_loader_takes_numpy():
+        pytest.skip(f"torch {torch.__version__}'s allow-list (dcpx's) refuses numpy arrays")
     dcpx.save({"rng": np.random.RandomState(3).get_state(), "a": np.arange(3)},
               checkpoint_id=tmp_path / "c")
     rc, out, _ = _cli(capsys, "inspect", tmp_path / "c", "--json")
@@ -362,7 +364,8 @@ def test_import_dcpx_is_lazy_and_complete():
         "assert all(hasattr(dcpx, n) for n in dcpx.__all__)\n"
         "assert dcpx.FileSystemWriter.__module__.startswith('dcpx')\n"
         "ns = {}\nexec('from dcpx import *', ns)\n"
-        "assert 'CheckpointManager' in ns and 'HuggingFaceStorageReader' in ns\n"
+        "assert 'CheckpointManager' in ns\n"
+        "assert ('HuggingFaceStorageReader' in ns) == hasattr(tdcp, 'HuggingFaceStorageReader')\n"
         "assert 'CheckpointManager' in dir(dcpx)\n")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          env=_env(), timeout=300)

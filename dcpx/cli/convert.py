@@ -339,7 +339,8 @@ def _check_loads(tmp: Path, dst: Path) -> None:
 
 
 def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
-    from ..filesystem import check_saveable, torch_file_writer
+    from ..filesystem import (check_saveable, torch_file_writer, torch_save_alignment,
+                              torch_save_header)
     entries = src.entries()
     obj: dict[str, Any] = {}
     skipped = []
@@ -363,16 +364,16 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
     order = p.order
     data = buf.getvalue()
     total = sum(r.nbytes if r.mem is not None else entries[r.key].nbytes for r in order)
-    align = str(getattr(torch.serialization, "_get_storage_alignment", lambda: 64)())
+    align = torch_save_alignment()
     tmp = _tmp(dst)
     try:
         with open(tmp, "wb") as f, progress(total, "convert", enabled=bar_on) as bar:
-            w = torch_file_writer(f, int(align))
+            w = torch_file_writer(f, align)
             ended = False
             try:
                 w.write_record("data.pkl", data, len(data))
-                w.write_record(".format_version", "1", 1)
-                w.write_record(".storage_alignment", align, len(align))
+                for name, text in torch_save_header(align):
+                    w.write_record(name, text, len(text))
                 w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
                 for i, ref in enumerate(order):
                     if ref.mem is not None:   # a tensor inside a value
