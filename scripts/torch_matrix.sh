@@ -27,8 +27,8 @@
 # keeps the repo's own .venv and dcpx/_C*.so untouched), and the tests run
 # there with PYTHONPATH pointing at the copy.
 #
-# The tests (SUBSET below, 373 of the suite's ~3,000 on torch 2.13, chosen to take
-# at most ~5 minutes per version on 2 idle cores, against ~20 for the whole
+# The tests (SUBSET below, about 480 of the suite's ~3,300 on torch 2.13, chosen to
+# take at most ~7 minutes per version on 2 idle cores, against ~20 for the whole
 # suite; the committed table was timed on a loaded machine, see its note):
 # the files where torch's version shows: the public names and signatures and the errors
 # torch's API raises (test_torch_names), features only some versions have
@@ -36,8 +36,10 @@
 # it has (test_interop, test_roundtrip), the metadata pickles torch reads
 # (test_mdpickle), planner and storage objects (test_plan, test_storage_api,
 # test_monkeypatch), async_save with torch's stager protocol, THREAD and
-# PROCESS (test_async), and 2-rank gloo saves and loads of DTensors
-# (test_dist_sharded).  DCPX_MATRIX_TESTS
+# PROCESS (test_async), 2-rank gloo saves and loads of DTensors
+# (test_dist_sharded), and the CLI, whose conversions use torch's own zip
+# writer and planner helpers (test_cli, test_cli_commands,
+# test_tools_hostile).  DCPX_MATRIX_TESTS
 # replaces the list (e.g. DCPX_MATRIX_TESTS=tests for the whole suite).
 #
 # Output: $DCPX_MATRIX_OUT (default benchmarks/results/torch_matrix.md), a
