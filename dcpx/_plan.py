@@ -74,11 +74,11 @@ def in_mesh(flat: dict) -> dict:
     neither writes nor reads them.  ``flat`` itself when there are none."""
     if DTensor is None or not any(issubclass(t, DTensor) for t in set(map(type, flat.values()))):
         return flat
-    outside = [k for k, v in flat.items()
-               if isinstance(v, DTensor) and v.device_mesh.get_coordinate() is None]
+    outside = {k for k, v in flat.items()
+               if isinstance(v, DTensor) and v.device_mesh.get_coordinate() is None}
     if not outside:
         return flat
-    return {k: v for k, v in flat.items() if k not in set(outside)}
+    return {k: v for k, v in flat.items() if k not in outside}
 
 
 def plain_tensor(obj: Any) -> bool:
