@@ -637,7 +637,6 @@ typedef struct {
     uint32_t size_at;        /* into dims */
     int eligible;            /* one chunk, the whole tensor, not empty */
     Py_ssize_t whole;        /* storage entry of its whole single chunk */
-    Py_ssize_t st_head;      /* its storage entries (a chain), -1 none */
 } mentry;
 
 typedef struct {
@@ -646,7 +645,6 @@ typedef struct {
     uint32_t off_at;
     Py_ssize_t file;
     int64_t offset, length;
-    Py_ssize_t st_next;      /* the chain of its key's entries */
 } mstore;
 
 struct dcpx_mdindex {
@@ -948,7 +946,6 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
             me->fqn_off = (uint32_t)key->num;
             me->fqn_len = key->len;
             me->whole = -1;
-            me->st_head = -1;
             if (o->kind == G_BSM) {
                 if (o->state >= 0 && m->v[o->state].count != 0)
                     return -1;
@@ -1046,10 +1043,6 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
             }
             if ((rc = seen_insert(ix, seen, ssize, ns)) < 0)
                 break;
-            if (e >= 0) {
-                se->st_next = ix->e[e].st_head;
-                ix->e[e].st_head = ns;
-            }
             /* whole_chunks: the entry whose offset is its chunk's (all
              * zeros; not None, even for a 0-d tensor: torch and plan_reads
              * look the chunk up by its offsets, torch.Size([]), which an

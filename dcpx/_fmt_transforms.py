@@ -30,11 +30,6 @@ TRAILER_LEN = len(_TRAILER) + 4
 _ZSTD = "stream.zstd"
 
 
-#: a record uses a stream transform this process cannot undo (an extension
-#: not registered, or ZStandard without zstandard / pyzstd)
-UnsupportedTransformError = UnsupportedFormatError
-
-
 def default_registry() -> Any:
     from torch.distributed.checkpoint._extension import ExtensionRegistry
     return ExtensionRegistry()
@@ -42,14 +37,14 @@ def default_registry() -> Any:
 
 def extensions_for(descriptors: Sequence[str], registry: Any, where: str) -> list:
     """The extensions that undo ``descriptors`` (outermost first), from
-    ``registry``; UnsupportedTransformError saying what to do otherwise."""
+    ``registry``; UnsupportedFormatError saying what to do otherwise."""
     try:
         return list(registry.from_descriptor_list(list(descriptors)))
     except Exception as e:  # torch raises ValueError for unknown / unavailable ones
         hint = ("install zstandard or pyzstd" if any(str(d).startswith(_ZSTD) for d in descriptors)
                 else "register its Extension class with an ExtensionRegistry and pass it "
                      "as FileSystemReader(path, _extension_registry=registry)")
-        raise UnsupportedTransformError(
+        raise UnsupportedFormatError(
             f"dcpx: {where} is stored with stream transform(s) {list(descriptors)} that "
             f"cannot be undone here ({type(e).__name__}: {e}); the checkpoint is not "
             f"damaged: {hint}") from None

@@ -32,7 +32,7 @@ from ._chunks import tiling_problem
 from ._fmt_safetensors import is_raw
 from ._dtypes import _TO_DLPACK, dlpack_view, storage_type_name
 from ._files import _check_dir, local_path, open_regular, read_regular, special_file_error
-from .errors import CorruptCheckpointError, IncompleteCheckpointError
+from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedFormatError
 
 
 def check_zip_crcs(raw: bytes, where: str) -> int:
@@ -679,7 +679,7 @@ class FileSystemReader(StorageReader):
                 # compressed frame per tensor and the tensor's byte count
                 # (its bytes are in the untransformed safetensors blob after
                 # them): a layout neither torch's reader nor dcpx's loads
-                raise _fmt_transforms.UnsupportedTransformError(
+                raise UnsupportedFormatError(
                     f"dcpx: {path}: key {r.key!r}: the record is a transformed one of exactly "
                     f"the tensor's byte count: torch writes this for SAFETENSORS together with "
                     f"_extensions, which neither torch nor dcpx can load (re-save with one of "

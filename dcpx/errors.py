@@ -35,6 +35,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
+    "UnsupportedFormatError",
     "UnloadedKeysWarning",
     "UnsafeValueWarning",
 ]
