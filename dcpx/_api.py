@@ -40,7 +40,8 @@ from ._gc import paused_gc
 from ._guard import check_not_bootstrapping  # noqa: F401  (also CheckpointManager's)
 from ._pending import tensor_payload
 from ._plan import plan_local_save
-from ._stateful import wrap_state_dict  # noqa: F401  (CheckpointManager's: dcpx.manager)
+from ._stateful import (  # noqa: F401  (wrap_state_dict: CheckpointManager's, dcpx.manager)
+    _NEVER_STATEFUL, _stateful_to_state_dict, is_stateful, wrap_state_dict)
 from ._reader import FileSystemReader
 from ._torchcompat import NO_DIST_WARNING, any_checkpointable_tensor, torch_kwargs
 from ._unasked import warn_unloaded
@@ -50,34 +51,11 @@ from .errors import checkpoint_errors
 
 __all__ = ["save", "load"]
 
-#: types whose instances are never Stateful (no state_dict / load_state_dict)
-_NEVER_STATEFUL = frozenset({torch.Tensor, torch.nn.Parameter, int, float, bool, str, bytes,
-                             type(None), dict, list, tuple})
 _PLAIN_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
-
-
-def is_stateful(obj: Any) -> bool:
-    """isinstance(obj, Stateful) without the runtime-Protocol cost for the
-    common case (tensors, numbers, strings), which costs ~10 us per call."""
-    if type(obj) in _NEVER_STATEFUL:
-        return False
-    if isinstance(obj, (torch.Tensor, int, float, str, bytes, type(None))):
-        return False
-    return isinstance(obj, Stateful)
 
 
 def _dist_in_use(no_dist: bool) -> bool:
     return not no_dist and dist.is_available() and dist.is_initialized()
-
-
-def _stateful_to_state_dict(state_dict: dict) -> dict:
-    """A new dict: each top-level Stateful value replaced by its
-    state_dict().  A state dict holding only types that never are Stateful
-    is copied as it is, without a Python call per entry."""
-    if _NEVER_STATEFUL.issuperset(map(type, state_dict.values())):
-        return dict(state_dict)
-    return {k: (v.state_dict() if is_stateful(v) else v)
-            for k, v in state_dict.items()}
 
 
 def as_state_dict(state_dict: Any, what: str) -> dict:

@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from . import _chunks, _metadata, _plan, _readplan
-from ._files import DCP_VERSION
+from ._files import DCP_VERSION, disagreeing_paths
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._legacy import legacy_layout
@@ -121,35 +121,6 @@ def path_key(path: Any) -> str:
     may mount one file system at different places, and the same string on
     every rank is what torch's and dcpx's users pass (docs/design.md)."""
     return _path_key(path)
-
-
-def disagreeing_paths(paths: list, limit: int = 8) -> Optional[str]:
-    """None when every rank that reported a path reported the same one;
-    else an error message naming the paths and which ranks have which."""
-    by_path: dict = {}
-    for r, p in enumerate(paths):
-        if p is not None:
-            by_path.setdefault(p, []).append(r)
-    if len(by_path) <= 1:
-        return None
-    groups = sorted(by_path.items(), key=lambda kv: kv[1][0])
-    shown = "; ".join(f"{_ranks_text(rs)}: {p!r}" for p, rs in groups[:limit])
-    if len(groups) > limit:
-        shown += f"; and {len(groups) - limit} other paths"
-    return (f"dcpx: the ranks were given {len(groups)} different checkpoint paths "
-            f"({shown}); every rank must save into the same directory (a per-rank "
-            f"timestamp or hostname in checkpoint_id?). Nothing was written.")
-
-
-def _ranks_text(ranks: list) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    runs, start = [], ranks[0]
-    for a, b in zip(ranks, ranks[1:] + [None]):
-        if b != a + 1:
-            runs.append(str(start) if start == a else f"{start}-{a}")
-            start = b
-    return "ranks " + ",".join(runs)
 
 
 def _failure(rank: int, e: BaseException) -> tuple:

@@ -131,3 +131,32 @@ def local_path(path: Union[str, os.PathLike]) -> Path:
         f"FileSystemWriter / FileSystemReader store only on the local file system. Pass "
         f"the URL as checkpoint_id without a storage object, or use "
         f"dcpx.fsspec.FsspecWriter / FsspecReader")
+
+
+def disagreeing_paths(paths: list, limit: int = 8) -> Optional[str]:
+    """None when every rank that reported a path reported the same one;
+    else an error message naming the paths and which ranks have which."""
+    by_path: dict = {}
+    for r, p in enumerate(paths):
+        if p is not None:
+            by_path.setdefault(p, []).append(r)
+    if len(by_path) <= 1:
+        return None
+    groups = sorted(by_path.items(), key=lambda kv: kv[1][0])
+    shown = "; ".join(f"{_ranks_text(rs)}: {p!r}" for p, rs in groups[:limit])
+    if len(groups) > limit:
+        shown += f"; and {len(groups) - limit} other paths"
+    return (f"dcpx: the ranks were given {len(groups)} different checkpoint paths "
+            f"({shown}); every rank must save into the same directory (a per-rank "
+            f"timestamp or hostname in checkpoint_id?). Nothing was written.")
+
+
+def _ranks_text(ranks: list) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    runs, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return "ranks " + ",".join(runs)

@@ -50,7 +50,7 @@ def after_save(planner: Any, state_dict: dict, metadata: Optional[Metadata],
     state dicts), ``metadata`` the committed checkpoint's."""
     if type(planner) is not DefaultSavePlanner:
         return
-    from ._api import _stateful_to_state_dict
+    from ._stateful import _stateful_to_state_dict
     from ._flatten import flatten_state_dict
     flat, planner.mappings = flatten_state_dict(_stateful_to_state_dict(state_dict))
     planner.state_dict = flat

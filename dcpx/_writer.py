@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import _commit, _fmt_safetensors, _fmt_transforms, _locks, _metadata
-from ._files import DCP_VERSION, _check_dir, local_path
+from ._files import DCP_VERSION, _check_dir, disagreeing_paths, local_path
 from ._pending import (
     LazyItem,
     PendingWrite,
@@ -156,7 +156,6 @@ class FileSystemWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        from ._dist import disagreeing_paths
         refusal = disagreeing_paths([p.storage_data.path if isinstance(p.storage_data, _RankPath)
                                      else None for p in plans])
         if refusal is not None:
