@@ -371,10 +371,17 @@ def warn_if_refused(obj: Any, key: str, data: bytes) -> None:
 
 
 def _outside_dcpx() -> int:
-    """The stacklevel of the first caller outside the dcpx package."""
+    """The stacklevel of the first caller outside the dcpx package (passing
+    over contextlib's frames too: a context manager used as a decorator,
+    ``@checkpoint_errors()``, puts one between dcpx's)."""
     here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    import contextlib
     import sys
+    ctx = os.path.abspath(contextlib.__file__)
     f, level = sys._getframe(1), 1
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(here):
+    while f is not None:
+        name = os.path.abspath(f.f_code.co_filename)
+        if not (name.startswith(here) or name == ctx):
+            break
         f, level = f.f_back, level + 1
     return level
