@@ -324,7 +324,7 @@ def load(
                 count = ck.key_count()
                 _dist.load_flat(flat, mappings, stateful_sd, reader, ck, partial)
             if not partial:  # keys the state dict did not ask for (dcpx/_unasked.py)
-                warn_unloaded(ck, count, flat, keys, reader.path, stacklevel=3)
+                warn_unloaded(ck, count, flat, keys, reader.path)
             del ck
             flat = mappings = None
     if fast and distributed:

@@ -1078,7 +1078,7 @@ def load(reader: FileSystemReader, flat: dict, mappings: dict, original: dict, g
             count = ck.key_count()
             load_flat(flat, mappings, original, reader, ck, allow_partial_load)
         if g.is_coordinator and not allow_partial_load:  # once, not once per rank
-            warn_unloaded(ck, count, flat, original, reader.path, stacklevel=5)
+            warn_unloaded(ck, count, flat, original, reader.path)
         status = ("ok",)
     except Exception as e:
         own, status = e, _failure(g.rank, e)

@@ -75,13 +75,22 @@ class _Worker:
         self.sent_cwd: Optional[str] = None
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="dcpx-process-upload")
 
-    def _raise_if_unguarded(self, e: BaseException) -> None:
-        """The pipe broke: if the process stopped because the main script ran
-        again in it (dcpx/_guard.py), say so."""
+    def _raise_if_unguarded(self, e: BaseException) -> bool:
+        """Whether ``e`` says the pipe to the process broke (an EOFError,
+        BrokenPipeError or ConnectionError, or any error once the process is
+        gone); if so, the process is given 5 s to end and, if it stopped
+        because the main script ran again in it (dcpx/_guard.py), that is
+        raised.  Any other OSError (ENOSPC, a path the save cannot make:
+        the process still alive) returns False at once, for the caller to
+        raise as it is."""
+        if not isinstance(e, (EOFError, BrokenPipeError, ConnectionError)) \
+                and self.proc.is_alive():
+            return False
         self.proc.join(5)
         err = _guard.guard_error(self.proc.exitcode)
         if err is not None:
             raise err from e
+        return True
 
     def run(self, staged, stager, writer) -> Any:
         try:
@@ -200,7 +209,8 @@ class _Worker:
                                 others, sorted(self.sent_buffers)))
                 status, result = self.conn.recv()
             except (EOFError, OSError) as e:
-                self._raise_if_unguarded(e)
+                if not self._raise_if_unguarded(e):
+                    raise
                 raise RuntimeError(
                     f"dcpx: the checkpoint process died while writing {writer.path} "
                     f"(exit code {self.proc.exitcode}); that checkpoint was not "
@@ -229,7 +239,8 @@ class _Worker:
         try:
             status, result = self.conn.recv()
         except (EOFError, OSError) as e:
-            self._raise_if_unguarded(e)
+            if not self._raise_if_unguarded(e):
+                raise
             raise RuntimeError(
                 f"dcpx: the checkpoint process died during {what} (exit code "
                 f"{self.proc.exitcode}); that checkpoint was not committed") from e

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Iterable
 
+from ._values import _outside_dcpx
 from .errors import UnloadedKeysWarning
 
 __all__ = ["warn_unloaded"]
@@ -36,10 +37,12 @@ def left_out(ckpt_keys: Iterable[str], asked: dict, top_keys: Iterable) -> dict:
     return {p: sorted(v) for p, v in out.items()}
 
 
-def warn_unloaded(ck, count: int, flat: dict, top_keys: Iterable, where, stacklevel: int) -> None:
+def warn_unloaded(ck, count: int, flat: dict, top_keys: Iterable, where) -> None:
     """Warn (UnloadedKeysWarning) if the checkpoint ``ck`` (``count`` keys,
     ``ck.key_count()`` taken before the load) holds keys under a top-level
-    key of the state dict that ``flat`` did not ask for."""
+    key of the state dict that ``flat`` did not ask for.  The warning names
+    the first caller outside dcpx (the line that called dcpx.load, or
+    CheckpointManager.load), however many dcpx frames lie between."""
     if count <= len(flat):
         return
     found = left_out(ck.keys(), flat, top_keys)
@@ -53,4 +56,4 @@ def warn_unloaded(ck, count: int, flat: dict, top_keys: Iterable, where, stackle
             f"with dcpx.CheckpointManager, or load get_state_dict(model, optim) and apply it with "
             f"set_state_dict (torch.distributed.checkpoint.state_dict). To load part of an entry "
             f"on purpose, pass planner=DefaultLoadPlanner(allow_partial_load=True) (docs/api.md, "
-            f"\"Keys a load leaves out\").", UnloadedKeysWarning, stacklevel=stacklevel)
+            f"\"Keys a load leaves out\").", UnloadedKeysWarning, stacklevel=_outside_dcpx())

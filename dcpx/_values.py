@@ -292,6 +292,9 @@ _CONTAINERS = frozenset((dict, list, tuple))
 _warned_keys: set = set()
 #: (key, signature) of values whose scan found nothing refused
 _passed: set = set()
+#: (key, type) of values without a signature (too large to walk, numpy
+#: arrays of objects) whose scan found nothing refused
+_passed_unsigned: set = set()
 _MAX_PASSED = 4096
 
 
@@ -339,20 +342,23 @@ def warn_if_refused(obj: Any, key: str, data: bytes) -> None:
     """At save time: warn (UnsafeValueWarning, once per key and process) if
     dcpx's safe loader will refuse the value just pickled as ``data``.
     Plain values cost a type lookup or a walk of their containers; others a
-    static scan of the pickle, once per key and kind of value."""
+    static scan of the pickle, once per key and kind of value (per key and
+    type for a value too large to walk, whose kind the walk cannot tell)."""
     if type(obj) in _PLAIN or key in _warned_keys:
         return
     plain, sig = _walk(obj)
-    if plain or (sig is not None and (key, sig) in _passed):
+    if plain:
+        return
+    cached, seen = ((key, sig), _passed) if sig is not None else ((key, type(obj)), _passed_unsigned)
+    if cached in seen:
         return
     if _forced_weights_only():
         return  # torch's own list applies at load; not second-guessed here
     names = refused_globals(data)
     if not names:
-        if sig is not None:
-            if len(_passed) >= _MAX_PASSED:
-                _passed.clear()
-            _passed.add((key, sig))
+        if len(seen) >= _MAX_PASSED:
+            seen.clear()
+        seen.add(cached)
         return
     _warned_keys.add(key)
     import warnings
@@ -371,10 +377,17 @@ def warn_if_refused(obj: Any, key: str, data: bytes) -> None:
 
 
 def _outside_dcpx() -> int:
-    """The stacklevel of the first caller outside the dcpx package."""
+    """The stacklevel of the first caller outside the dcpx package (passing
+    over contextlib's frames too: a context manager used as a decorator,
+    ``@checkpoint_errors()``, puts one between dcpx's)."""
     here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    import contextlib
     import sys
+    ctx = os.path.abspath(contextlib.__file__)
     f, level = sys._getframe(1), 1
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(here):
+    while f is not None:
+        name = os.path.abspath(f.f_code.co_filename)
+        if not (name.startswith(here) or name == ctx):
+            break
         f, level = f.f_back, level + 1
     return level

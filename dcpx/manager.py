@@ -259,6 +259,13 @@ class _LocalRoot:
             f.write(data)
         os.replace(tmp, d / fname)
 
+    def remove_file(self, name: str, fname: str) -> None:
+        """Remove ``name/fname`` if it is there."""
+        try:
+            os.unlink(self.path / name / fname)
+        except FileNotFoundError:
+            pass
+
     def read_file(self, name: str, fname: str) -> Optional[bytes]:
         """The file's bytes; None if absent.  A link or another non-regular
         file is refused, as inside a checkpoint (docs/reliability.md)."""
@@ -358,6 +365,12 @@ class _FsspecRoot:
 
     def write_file(self, name: str, fname: str, data: bytes) -> None:
         self.fs.pipe_file(f"{self.root}/{name}/{fname}", data)
+
+    def remove_file(self, name: str, fname: str) -> None:
+        try:
+            self.fs.rm_file(f"{self.root}/{name}/{fname}")
+        except FileNotFoundError:
+            pass
 
     def read_file(self, name: str, fname: str) -> Optional[bytes]:
         try:
@@ -529,7 +542,8 @@ class CheckpointManager:
         (``user_metadata.json`` in its folder, written before the step
         commits), read back with :meth:`step_metadata` without loading any
         tensor; its ``best_metric`` value ranks the step for
-        ``keep_best_k``."""
+        ``keep_best_k``.  A step saved again without ``metadata`` has none
+        (the earlier save's file is removed)."""
         meta_bytes = _user_metadata_bytes(metadata)
         step = int(step)
         if step < 0:
@@ -556,8 +570,11 @@ class CheckpointManager:
                 # The step folder is made here, by every rank, before the save: a
                 # multi-rank save then never depends on which rank creates it.
                 os.makedirs(kw["checkpoint_id"], exist_ok=True)
-            if meta_bytes is not None and self._is_deleter():  # before the step commits
-                self._root.write_file(name, USER_METADATA_FN, meta_bytes)
+            if self._is_deleter():  # before the step commits
+                if meta_bytes is not None:
+                    self._root.write_file(name, USER_METADATA_FN, meta_bytes)
+                else:  # a step saved again: not the metadata of its earlier save
+                    self._root.remove_file(name, USER_METADATA_FN)
             if mode is None:
                 result = _save(state_dict, **kw)
                 self._saved(step, None)

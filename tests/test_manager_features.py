@@ -138,3 +138,25 @@ def test_user_metadata_link_refused(tmp_path):
     meta.symlink_to(tmp_path / "elsewhere.json")
     with pytest.raises(CorruptCheckpointError, match="user_metadata.json: cannot open it"):
         CheckpointManager(tmp_path / "r").step_metadata(1)
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+def test_resave_of_a_step_without_metadata_drops_the_old_metadata(tmp_path, where):
+    """A step saved again without metadata= has none (the earlier save's
+    user_metadata.json stayed, and step_metadata / keep_best_k read it)."""
+    if where == "url":
+        pytest.importorskip("fsspec")
+        import uuid
+        root = f"memory://dcpx-resave-{uuid.uuid4().hex[:8]}"
+    else:
+        root = tmp_path
+    for mode in ("sync", "async"):
+        with CheckpointManager(root, async_mode=mode) as ckpt:
+            ckpt.save(5, _state(1), metadata={"loss": 0.5})
+            assert ckpt.step_metadata(5) == {"loss": 0.5}
+            ckpt.save(5, _state(2))
+            ckpt.wait()
+            assert ckpt.step_metadata(5) == {}
+            ckpt.save(5, _state(3), metadata={"loss": 0.25})
+            ckpt.wait()
+        assert CheckpointManager(root).step_metadata(5) == {"loss": 0.25}

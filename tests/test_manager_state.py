@@ -267,3 +267,50 @@ def test_raw_objects_resume_bit_exact_in_fresh_process(tmp_path):
     first, rest = run("b", 3), run("b", 0)
     assert (first["start"], rest["start"]) == (0, 3)
     assert first["losses"] + rest["losses"] == straight["losses"]
+
+
+# ------------------------------------------------ the warning's line is the caller's
+
+
+def test_unloaded_keys_warning_points_at_the_callers_line(tmp_path):
+    """The warning names the line that called dcpx.load (not a frame inside
+    dcpx: the backward-compatible argument decorator adds one), with the
+    arguments given by keyword and in torch's old positional order."""
+    model = _saved_with_optimizer_state(tmp_path)
+    fresh = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    with pytest.warns(UnloadedKeysWarning) as rec:
+        dcpx.load({"model": model, "optim": fresh}, checkpoint_id=tmp_path); line = _line()  # noqa: E702
+    assert [(w.filename, w.lineno) for w in rec] == [(__file__, line)]
+    reader = dcpx.FileSystemReader(tmp_path)
+    with pytest.warns(UserWarning) as rec:  # and torch's warning of the old argument order
+        dcpx.load({"model": model, "optim": fresh}, reader); line = _line()  # noqa: E702
+    assert sorted((w.category.__name__, w.filename, w.lineno) for w in rec) == [
+        ("UnloadedKeysWarning", __file__, line), ("UserWarning", __file__, line)]
+
+
+def _line() -> int:
+    import sys
+    return sys._getframe(1).f_lineno
+
+
+def test_unloaded_keys_warning_through_the_manager_points_at_its_caller(tmp_path):
+    with CheckpointManager(tmp_path, async_mode="sync") as ckpt:
+        ckpt.save(1, {"extra": {"a": torch.ones(2), "b": torch.ones(2)}})
+    state = {"extra": {"a": torch.zeros(2)}}
+    with pytest.warns(UnloadedKeysWarning, match="'extra.b'") as rec:
+        CheckpointManager(tmp_path).load(state); line = _line()  # noqa: E702
+    assert (rec[0].filename, rec[0].lineno) == (__file__, line)
+
+
+def _warning_site_with_a_process_group(rank: int, world: int, root: str) -> tuple:
+    model = _saved_with_optimizer_state(root)
+    fresh = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        dcpx.load({"model": model, "optim": fresh}, checkpoint_id=root); line = _line()  # noqa: E702
+    return [(w.filename, w.lineno) for w in rec if w.category is UnloadedKeysWarning], line
+
+
+def test_unloaded_keys_warning_with_a_process_group_points_at_the_callers_line(tmp_path):
+    (sites, line), = spawn(_warning_site_with_a_process_group, 1, str(tmp_path))
+    assert sites == [(__file__, line)]

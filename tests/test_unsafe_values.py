@@ -93,3 +93,31 @@ def test_manager_load_options_checked(tmp_path):
     with pytest.raises(ValueError, match=r"load_options takes \['allow_pickle', 'thread_count', "
                                          r"'verify'\].*\['allow_pickel'\]"):
         CheckpointManager(tmp_path, load_options={"allow_pickel": True})
+
+
+def test_a_value_too_large_to_walk_is_scanned_once_per_key_and_type(tmp_path, monkeypatch):
+    """A value with more items than the walk looks at has no signature; the
+    scan's all-clear is kept per key and type, so saving the same state dict
+    again does not scan its pickle again (it did on every save)."""
+    import dcpx._values as values
+    scans = []
+    real = values.refused_globals
+    monkeypatch.setattr(values, "refused_globals", lambda data: scans.append(1) or real(data))
+    key = _key()
+    big = list(range(5000))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(3):
+            dcpx.save({"w": torch.ones(2), key: big}, checkpoint_id=tmp_path / f"s{i}")
+    assert len(scans) == 1
+    # another type under the key is judged again
+    dcpx.save({key: tuple(big)}, checkpoint_id=tmp_path / "d")
+    assert len(scans) == 2
+    # a large value the loader refuses still warns (once)
+    other = _key()
+    with pytest.warns(UnsafeValueWarning, match=rf"'{other}'"):
+        dcpx.save({other: big + [Box()]}, checkpoint_id=tmp_path / "r0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dcpx.save({other: big + [Box()]}, checkpoint_id=tmp_path / "r1")
+    assert len(scans) == 3
