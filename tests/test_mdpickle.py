@@ -158,7 +158,7 @@ def test_pinned_flag_and_torch_built_metadata(tmp_path):
     """torch's own planner builds a TensorProperties per tensor (unshared)."""
     sd = {"a": torch.randn(3), "b": torch.randn(2, 2, requires_grad=True),
           "c": torch.tensor(1, dtype=torch.int64), "v": {"x": 1}}
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "t")), no_dist=True)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path / "t")))  # no_dist inferred
     with open(tmp_path / "t" / ".metadata", "rb") as f:
         md = pickle.load(f)
     check_encodes(md)
@@ -369,7 +369,7 @@ def test_torch_reads_and_loads_a_checkpoint_whose_metadata_c_wrote(tmp_path, mon
                 if not isinstance(v, torch.Tensor) or torch_copies(v.dtype)}
     out = empty_like_state(loadable)
     out["nested"]["s"] = ""
-    dcp.load(out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    dcp.load(out, storage_reader=dcp.FileSystemReader(path))  # no process group: no_dist inferred
     assert_state_bit_equal(out, resolved(loadable))
 
 

@@ -64,7 +64,7 @@ def _load_both(path, want):
     got = empty_like_state(want)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tdcp.load(got, storage_reader=tdcp.FileSystemReader(path), no_dist=True)
+        tdcp.load(got, storage_reader=tdcp.FileSystemReader(path))  # no_dist inferred
     assert_state_bit_equal(got, resolved(want))
 
 
