@@ -8,7 +8,9 @@ Cheap where nothing was left out, which is the common case: without
 ``allow_partial_load`` every key asked for is in the checkpoint (else the
 load fails), so keys were left out exactly when the checkpoint holds more
 keys than were asked for; one comparison of two counts (the checkpoint's
-count is kept with its cached metadata).  Only then are the keys compared.
+count is kept with its cached metadata).  Only then are the keys listed
+(which decodes the whole ``.metadata`` where the fast path had read only
+its index) and compared.
 """
 from __future__ import annotations
 
