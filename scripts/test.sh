@@ -9,9 +9,11 @@
 #   DCPX_SLOW=1 scripts/test.sh       include the slow tests (huge tensors)
 # pytest collects tests/ (pyproject.toml's testpaths) only when no file,
 # directory or test id is given.
+#   DCPX_NO_SETUP=1 scripts/test.sh   skip the set-up (done already; .ci/run,
+#                                     which runs TSan beside the ASan stage)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+[ "${DCPX_NO_SETUP:-0}" = 1 ] || scripts/setup.sh
 . scripts/sanitizer_env.sh
 set +e
 .venv/bin/python -m pytest -q "$@"
