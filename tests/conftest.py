@@ -298,3 +298,20 @@ def fast_writer(path, **kw) -> dcpx.FileSystemWriter:
     """A writer without fsync, for tests that save many times."""
     kw.setdefault("sync_files", False)
     return dcpx.FileSystemWriter(path, **kw)
+
+
+def pid_gone(pid: int, timeout: float = 0.0) -> bool:
+    """Whether process ``pid`` has exited (gone, or a zombie / dead entry)
+    within ``timeout`` seconds (0: now)."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)

@@ -59,7 +59,7 @@ import dcpx
 import dcpx._async
 import dcpx._process
 import dcpx.staging
-from conftest import torch_save_supports
+from conftest import pid_gone, torch_save_supports
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # seconds; every wait on a future is bounded: a hang is a failure
@@ -807,20 +807,6 @@ for _how in ("soft", "hard"):
         "test_exit_with_a_save_in_flight_never_leaves_a_wrong_checkpoint", _EXIT_CHILD, [_how])
 
 
-def _pid_gone(pid: int, timeout: float) -> bool:
-    """Whether process ``pid`` exits (or is a zombie) within ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def _describe(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -840,7 +826,7 @@ def test_exit_with_a_save_in_flight_never_leaves_a_wrong_checkpoint(tmp_path_fac
     rc, root, out, err = _child_result(f"exit-{how}", tmp_path_factory)
     assert rc == 0 and "worker" in out.split(), f"rc {rc}; stdout {out!r}; stderr {err[-3000:]}"
     pid = int(out.split()[out.split().index("worker") + 1])
-    assert _pid_gone(pid, 30), f"the checkpoint process outlived its parent: {_describe(pid)}"
+    assert pid_gone(pid, 30), f"the checkpoint process outlived its parent: {_describe(pid)}"
 
     d = root / kind
     new, old = _exit_state(2), _exit_state(1)

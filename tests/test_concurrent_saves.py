@@ -37,7 +37,7 @@ import torch
 
 import dcpx
 import dcpx.filesystem
-from conftest import assert_state_bit_equal
+from conftest import assert_state_bit_equal, pid_gone
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning"),
@@ -403,14 +403,6 @@ _ORPHAN_PARENT = textwrap.dedent("""
 """)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def test_orphaned_checkpoint_process_does_not_commit_over_a_newer_save(tmp_path, rng):
     """The training process dies while its PROCESS checkpoint process writes
     a save; the restarted job saves into the same directory and reports
@@ -442,9 +434,9 @@ def test_orphaned_checkpoint_process_does_not_commit_over_a_newer_save(tmp_path,
             new = 100 + rep  # the restarted job's (small) save, done before the orphan's
             dcpx.save(state(new), storage_writer=dcpx.FileSystemWriter(d, sync_files=False))
             deadline = time.monotonic() + TIMEOUT
-            while not _gone(worker) and time.monotonic() < deadline:
+            while not pid_gone(worker) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if not _gone(worker):
+            if not pid_gone(worker):
                 os.kill(worker, signal.SIGKILL)
                 pytest.fail(f"the orphaned checkpoint process {worker} did not exit")
             refused = "not committed" in p.stderr.read()

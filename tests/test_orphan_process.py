@@ -34,6 +34,7 @@ import pytest
 import torch
 
 import dcpx
+from conftest import pid_gone
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled:UserWarning"),
@@ -76,14 +77,6 @@ _P1 = textwrap.dedent("""
 """) % {"numel": NUMEL}
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def _generation(d: Path) -> float:
     """The generation D holds, every tensor checked against it (a mix of two
     saves fails)."""
@@ -116,9 +109,9 @@ def _trial(d: Path, delay: str, out: dict) -> None:
         dcpx.save({**{f"t{i}": torch.full((NUMEL,), 3.0) for i in range(2)}, "gen": 3},
                   checkpoint_id=d)
         deadline = time.monotonic() + TIMEOUT
-        while not _gone(worker) and time.monotonic() < deadline:
+        while not pid_gone(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not _gone(worker):
+        if not pid_gone(worker):
             out["error"] = f"the orphaned checkpoint process {worker} did not exit"
             return
         out["refused"] = "not committed" in p.stderr.read()
@@ -132,7 +125,7 @@ def _trial(d: Path, delay: str, out: dict) -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
-        if worker is not None and not _gone(worker):
+        if worker is not None and not pid_gone(worker):
             os.kill(worker, signal.SIGKILL)
 
 
