@@ -12,12 +12,14 @@ swapped as uint8, that is not at all, and loads as byte-reversed values.
 dcpx's C reader swaps every record by its tensor's element size (complex
 per component) after checking its CRC (csrc/reader.c, ``archive_swaps``).
 Where torch.load reads a record for dcpx (records the C reader leaves to
-it, ``dcpx convert`` of a ``torch.save`` file), ``swap_untyped`` finishes
+it, ``dcpx convert`` of a ``torch.save`` file, the tensors inside a
+non-tensor value: ``swap_value``), ``swap_untyped`` finishes
 what torch.load left undone, so that every path gives the values that were
 saved (docs/format.md, "Byte order").
 """
 from __future__ import annotations
 
+import collections
 import io
 import os
 import struct
@@ -76,6 +78,45 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from tensors_in(v)
+
+
+def tensors_within(obj: Any) -> list[torch.Tensor]:
+    """Every tensor reachable from ``obj``, an unpickled non-tensor value:
+    through mappings (keys too), lists, tuples, sets, deques and the
+    attributes of objects (an ``argparse.Namespace``); each object once."""
+    out: list[torch.Tensor] = []
+    seen: set = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, (str, bytes, bytearray, int, float, complex, type(None))):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            out.append(o)
+        elif isinstance(o, Mapping):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset, collections.deque)):
+            stack.extend(o)
+        elif not isinstance(o, type):
+            d = getattr(o, "__dict__", None)
+            if isinstance(d, dict):
+                stack.extend(d.values())
+    return out
+
+
+def swap_value(value: Any, data: bytes) -> Any:
+    """``value``, unpickled by torch.load from the ``torch.save`` archive
+    ``data`` (a checkpoint's non-tensor value), with the untyped storages
+    of the tensors it holds swapped as a tensor item's are (torch.load
+    swapped the typed ones)."""
+    if sys.byteorder == "little" and b"big" not in data:
+        return value   # no byteorder record says "big": nothing to swap
+    order = archive_byteorder(data)
+    if order != sys.byteorder:
+        swap_untyped(tensors_within(value), order)
+    return value
 
 
 def swap_untyped(tensors: Iterable[torch.Tensor], byteorder: str) -> int:

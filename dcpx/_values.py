@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 import torch
 
+from ._byteorder import swap_value
 from .errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["loads", "dcpx_safe_globals"]
@@ -257,7 +258,7 @@ def loads(data: bytes, where: str, allow_pickle: bool = False) -> Any:
     (the file and key) starts every error message.  With ``allow_pickle``
     any pickle is run (trusted checkpoints only)."""
     if allow_pickle:
-        return torch.load(io.BytesIO(data), weights_only=False)
+        return swap_value(torch.load(io.BytesIO(data), weights_only=False), data)
     if data[:4] != b"PK\x03\x04":
         raise CorruptCheckpointError(f"{where}: the value is not a torch.save zip archive")
     if _is_torchscript(data):
@@ -266,10 +267,13 @@ def loads(data: bytes, where: str, allow_pickle: bool = False) -> Any:
             f"if you trust this checkpoint, load it with FileSystemReader(path, "
             f"allow_pickle=True)")
     try:
+        # torch.load swaps the typed storages of a big-endian archive, not
+        # the untyped ones (uint16/32/64, float8...): swap_value does, as
+        # dcpx swaps a tensor item's (dcpx/_byteorder.py)
         if _forced_weights_only():
-            return torch.load(io.BytesIO(data), weights_only=True)
-        return _plain_bytesio(torch.load(io.BytesIO(data), weights_only=False,
-                                         pickle_module=_restricted_pickle))
+            return swap_value(torch.load(io.BytesIO(data), weights_only=True), data)
+        return swap_value(_plain_bytesio(torch.load(io.BytesIO(data), weights_only=False,
+                                                    pickle_module=_restricted_pickle)), data)
     except _Refused as e:
         raise _refusal(where, e, data) from None
     except pickle.UnpicklingError as e:

@@ -224,6 +224,41 @@ def test_torch_save_big_endian_value_item(tmp_path, monkeypatch):
     assert torch.equal(got["blob"][0], t) and got["blob"][1] == 3
 
 
+@pytest.mark.parametrize("how", ["safe", "allow_pickle", "forced_weights_only"])
+def test_big_endian_value_holding_untyped_tensors(tmp_path, monkeypatch, how):
+    """Tensors inside a non-tensor value are swapped as tensor items are:
+    torch.load swaps the typed storages (float32: dcpx equals torch's
+    load), and leaves the untyped ones byte-reversed (uint16/32/64, float8:
+    on main dcpx did too; now they load as saved, as a tensor item of the
+    same dtype does)."""
+    import argparse
+    f = _values(torch.float32, (4,))
+    un = {d: _values(d, (5,)) for d in UNTYPED}
+    value = (big_endian(f), {"un": [big_endian(t) for t in un.values()]},
+             big_endian(un[torch.uint16]))
+    if how == "safe":   # dcpx's allow-list: a Namespace's attributes are walked too
+        value += (argparse.Namespace(h=big_endian(un[torch.uint32])),)
+    with big_endian_host(monkeypatch):
+        tdcp.save({"blob": value, "w": big_endian(un[torch.uint16])},
+                  checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    if how == "forced_weights_only":
+        monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    reader = dcpx.FileSystemReader(tmp_path / "ck", allow_pickle=how == "allow_pickle")
+    got = {"blob": None, "w": torch.zeros(5, dtype=torch.uint16)}
+    dcpx.load(got, storage_reader=reader)
+    ref = {"blob": None, "w": torch.zeros(5, dtype=torch.uint16)}
+    tdcp.load(ref, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    b, r = got["blob"], ref["blob"]
+    assert torch.equal(b[0], f) and torch.equal(r[0], f)          # typed: as torch
+    for t, want in zip(b[1]["un"], un.values()):
+        assert t.dtype == want.dtype and torch.equal(t.view(torch.uint8),
+                                                     want.view(torch.uint8)), t.dtype
+    assert torch.equal(b[2], un[torch.uint16]) and torch.equal(b[2], got["w"])
+    assert torch.equal(r[2], big_endian(un[torch.uint16]))        # torch leaves it reversed
+    if how == "safe":
+        assert torch.equal(b[3].h, un[torch.uint32])
+
+
 def test_convert_big_endian_torch_save_untyped_in_a_list(tmp_path, monkeypatch, capsys):
     """torch.load leaves untyped storages (uint16 here) unswapped wherever
     they sit in the file's object, a list included; convert swaps them."""

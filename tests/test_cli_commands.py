@@ -673,3 +673,72 @@ def test_dcp_to_torch_save_with_tensors_inside_values(tmp_path):
     assert_bit_equal(got["scalar"][1], state["scalar"][1])
     with zipfile.ZipFile(out) as z:
         assert z.testzip() is None
+
+
+def test_dcp_to_torch_save_keeps_parameters_and_warns_nothing(tmp_path):
+    """Tensors inside a value are written as torch.save writes them: a
+    Parameter stays a Parameter (torch's _rebuild_parameter; on main it
+    became a plain tensor), a tensor keeps requires_grad, and every record
+    is handed to the writer as a storage (on main a tensor inside a value
+    went by data pointer, which torch warns is deprecated, on stderr, once
+    per process: hence a fresh one, Python's warnings as errors)."""
+    gen = torch.Generator().manual_seed(9)
+    param = torch.nn.Parameter(torch.randn(4, generator=gen), requires_grad=False)
+    grad = torch.randn(3, generator=gen).requires_grad_()
+    state = {"w": torch.randn(5, generator=gen),
+             "v": (torch.arange(6, dtype=torch.int16).view(2, 3).t(), param, grad, "x"),
+             "h": {"p": [1, (torch.nn.Parameter(torch.ones(2)),)]}}
+    dcpx.save(state, checkpoint_id=tmp_path / "c")
+    out = tmp_path / "m.pt"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # (not plain -W error: an old torch leaves a ResourceWarning at exit)
+    run = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-W",
+                          "error::UserWarning", "-W", "error::FutureWarning", "-m", "dcpx", "convert",
+                          str(tmp_path / "c"), str(out)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Warning" not in run.stderr and "deprecated" not in run.stderr, run.stderr
+    got = torch.load(out, weights_only=True)
+    ref = tmp_path / "ref.pt"
+    # torch.save's own output for the flat dict (DCP keys), loaded alike
+    torch.save({"w": state["w"], "v": state["v"], "h.p": state["h"]["p"]}, ref)
+    want = torch.load(ref, weights_only=True)
+    assert list(got) == list(want)
+
+    def same(a, b):
+        assert type(a) is type(b), (type(a), type(b))
+        if isinstance(a, torch.Tensor):
+            assert a.requires_grad == b.requires_grad
+            assert_bit_equal(a.detach(), b.detach())
+        elif isinstance(a, (tuple, list)):
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                same(x, y)
+        else:
+            assert a == b
+    for k in want:
+        same(got[k], want[k])
+    assert type(got["v"][1]) is torch.nn.Parameter and not got["v"][1].requires_grad
+    assert type(got["v"][2]) is torch.Tensor and got["v"][2].requires_grad
+    # the very pickle torch.save writes for what it holds
+    torch.save(got, ref)
+    with zipfile.ZipFile(out) as a, zipfile.ZipFile(ref) as b:
+        assert a.testzip() is None
+        assert a.read(a.namelist()[0]) == b.read(b.namelist()[0])   # data.pkl
+        assert [n.split("/", 1)[1] for n in a.namelist()] == \
+            [n.split("/", 1)[1] for n in b.namelist()]
+
+
+def test_dcp_to_torch_save_with_a_quantized_tensor_inside_a_value(tmp_path, capsys):
+    """A tensor that is not a plain CPU one (quantized here) reduces as
+    torch.save reduces it, its storage a record of its own (on main its
+    bytes were pickled through torch.storage._load_from_bytes, which
+    torch.load(weights_only=True) refuses: convert failed)."""
+    qt = torch.quantize_per_tensor(torch.arange(6.0), 0.5, 2, torch.quint8)
+    dcpx.save({"w": torch.zeros(3), "v": (qt, torch.ones(3)[1:])}, checkpoint_id=tmp_path / "c")
+    out = tmp_path / "m.pt"
+    assert _cli("convert", tmp_path / "c", out) == 0, capsys.readouterr().err
+    got = torch.load(out, weights_only=True)
+    assert got["v"][0].is_quantized and got["v"][0].q_scale() == 0.5
+    assert_bit_equal(got["v"][0].int_repr(), qt.int_repr())
+    assert_bit_equal(got["v"][1], torch.ones(2))

@@ -173,6 +173,54 @@ def test_convert_refuses_a_record_shorter_than_its_pickle_claims(tmp_path, capsy
     assert _cli("convert", good, tmp_path / "out.safetensors") == 0
 
 
+class _Holder:   # pickled with NEWOBJ (copyreg.__newobj__) and BUILD
+    def __init__(self, t):
+        self.t = t
+
+
+def test_record_check_walks_newobj_without_running_it(tmp_path):
+    from dcpx.cli._common import CliError, check_torch_records
+    src = tmp_path / "ok.pt"
+    torch.save({"h": _Holder(torch.arange(64, dtype=torch.float32))}, src)
+    assert b"\x81" in zipfile.ZipFile(src).read("ok/data.pkl")   # NEWOBJ
+    bad = tmp_path / "bad.pt"
+    _short_record(src, bad, "data/0", 16)
+    check_torch_records(src)
+    with pytest.raises(CliError, match=r"data/0 is 16 bytes, its pickle says 256"):
+        check_torch_records(bad)
+
+
+def _ordered_state(kind: str):
+    if kind == "state_dict":   # an OrderedDict with a _metadata attribute
+        torch.manual_seed(0)
+        return torch.nn.Linear(8, 8).state_dict()
+    import collections
+    d = collections.OrderedDict(a=torch.arange(64, dtype=torch.float32), b=torch.ones(64))
+    return {"model": d, "groups": [collections.OrderedDict(lr=torch.zeros(2))]} \
+        if kind == "nested" else d
+
+
+@pytest.mark.parametrize("kind", ["OrderedDict", "state_dict", "nested"])
+def test_convert_refuses_a_short_record_under_an_ordered_dict(tmp_path, capsys, kind):
+    # On main the record check gave up on a pickle that calls __setitem__ on
+    # (or __setstate__s) a global's result, as an OrderedDict's pickle does:
+    # the truncated record went on to torch.load (torch 2.4-2.8 read past it).
+    src = tmp_path / "ok.pt"
+    sd = _ordered_state(kind)
+    torch.save(sd, src)
+    first = next(iter(sd.values())) if kind != "nested" else sd["model"]["a"]
+    need = first.numel() * first.element_size()
+    bad = tmp_path / "bad.pt"
+    _short_record(src, bad, "data/0", 16)
+    assert _cli("convert", bad, tmp_path / "out.safetensors") == 1
+    err = capsys.readouterr().err
+    assert "data/0" in err and "16 bytes" in err and f"says {need}" in err, err
+    assert not (tmp_path / "out.safetensors").exists()
+    good = tmp_path / "good.pt"
+    _short_record(src, good, "data/0", 1 << 20)
+    assert _cli("convert", good, tmp_path / "out.safetensors") == 0
+
+
 # -- 4. hostile Hugging Face folders ------------------------------------------
 
 def _hf_folder(tmp_path: Path, weight_map) -> Path:

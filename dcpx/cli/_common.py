@@ -297,17 +297,41 @@ class TorchSource(Source):
             release_pages(value, self.path)
 
 
-class _Global:
-    """What a GLOBAL of ``data.pkl`` stands for in ``_storage_claims``:
-    nothing is imported or called."""
+class _Stand:
+    """What a GLOBAL of ``data.pkl`` stands for in ``_storage_claims``: a
+    type (so that NEWOBJ's ``cls.__new__(cls, ...)`` works too), one
+    subclass per global named (``module`` / ``name`` say which).  Its
+    instances take whatever a pickle does to the objects it builds (any
+    arguments, ``__setstate__``, ``__setitem__``, ``append``, ``extend``,
+    ``add``, a call), so that the walk always reaches every storage the
+    pickle names (an ``OrderedDict``, as ``state_dict()`` returns, is built
+    with ``__setitem__`` and ``__setstate__``).  Nothing is imported or
+    called."""
+    module = ""
+    name = ""
 
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_Stand":
+        return object.__new__(cls)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> "_Global":
-        return self
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Stand":
+        return _Stand()
 
     def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def add(self, value: Any) -> None:
         pass
 
 
@@ -315,19 +339,24 @@ class _ClaimsUnpickler(pickle.Unpickler):
     def __init__(self, f: Any) -> None:
         super().__init__(f)
         self.claims: dict[str, tuple[str, int]] = {}   # key -> (storage type, numel)
+        self._types: dict[tuple[str, str], type] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        return _Global(module, name)
+        t = self._types.get((module, name))
+        if t is None:
+            t = type("_Stand", (_Stand,), {"module": module, "name": name, "__slots__": ()})
+            self._types[(module, name)] = t
+        return t
 
     def persistent_load(self, pid: Any) -> Any:
         if (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] in ("storage", b"storage")
-                and isinstance(pid[1], _Global)):
+                and isinstance(pid[1], type) and issubclass(pid[1], _Stand)):
             key = pid[2].decode() if isinstance(pid[2], bytes) else str(pid[2])
             numel = pid[4] if isinstance(pid[4], int) else -1
             prev = self.claims.get(key)
             if prev is None or prev[1] < numel:
                 self.claims[key] = (pid[1].name, numel)
-        return _Global("", "")
+        return _Stand()
 
 
 def _storage_itemsize(name: str) -> Optional[int]:

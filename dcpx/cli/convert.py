@@ -227,14 +227,16 @@ def to_safetensors(src: Source, dst: Path, max_shard: Optional[int], bar_on: boo
 
 class _TensorRef:
     """Stands for a tensor in data.pkl; pickles as torch.save pickles it.
-    ``mem``: the tensor itself, for one held inside a non-tensor value (a
-    tuple holding a tensor); None for the source's tensors, read when their
-    record is written."""
-    __slots__ = ("key", "dtype", "shape", "mem")
+    ``mem``: what is in memory, for a tensor held inside a non-tensor value
+    (a tuple holding a tensor): the tensor itself (contiguous), or the
+    storage torch's own reduce of a tensor subclass named; None for the
+    source's tensors, read when their record is written."""
+    __slots__ = ("key", "dtype", "shape", "mem", "requires_grad")
 
     def __init__(self, key: str, dtype: torch.dtype, shape: tuple,
-                 mem: Optional[torch.Tensor] = None):
+                 mem: Any = None, requires_grad: bool = False):
         self.key, self.dtype, self.shape, self.mem = key, dtype, shape, mem
+        self.requires_grad = requires_grad
 
     @property
     def nbytes(self) -> int:
@@ -262,24 +264,29 @@ def _strides(shape: tuple) -> tuple:
 class _Pickler(pickle.Pickler):
     """torch.save's pickler, for tensors that are not in memory: the same
     reduce (torch.Tensor._reduce_ex_internal) and persistent ids
-    (torch.serialization._save)."""
+    (torch.serialization._save).  Inside a value, a plain tensor is pickled
+    the same way (one dense record of its own bytes); anything else
+    (a ``Parameter``, whose reduce names its ``.data``, a plain tensor;
+    other subclasses) reduces as torch.save reduces it, the storages it
+    names becoming records as torch.save makes them."""
 
     def __init__(self, f):
         super().__init__(f, protocol=2)   # torch.serialization.DEFAULT_PROTOCOL
         self.order: list[_TensorRef] = []
+        self._storages: dict[int, str] = {}   # storage._cdata -> its record's key
         self._v3 = torch.storage._new_dtypes()
         self._legacy = torch.storage._dtype_to_storage_type_map()
 
     def reducer_override(self, obj):
-        if type(obj) in (torch.Tensor, torch.nn.Parameter):
+        if type(obj) is torch.Tensor:
             # a tensor inside a non-tensor value: a record of its own, as
-            # torch.save writes it (pickle's default would embed its bytes
-            # through torch.storage._load_from_bytes, which
-            # torch.load(weights_only=True) refuses)
+            # torch.save writes it.  Only a plain tensor: a Parameter's own
+            # reduce (torch._utils._rebuild_parameter of its .data) keeps
+            # it a Parameter, as torch.save does.
             if obj.layout != torch.strided or obj.is_quantized or obj.device.type != "cpu":
                 return NotImplemented
             t = obj.detach().resolve_conj().resolve_neg().contiguous()
-            obj = _TensorRef(None, t.dtype, tuple(t.shape), t)
+            obj = _TensorRef(None, t.dtype, tuple(t.shape), t, obj.requires_grad)
         if not isinstance(obj, _TensorRef):
             return NotImplemented
         key = str(len(self.order))
@@ -291,14 +298,31 @@ class _Pickler(pickle.Pickler):
         if obj.dtype in self._v3 or obj.dtype not in self._legacy:
             st = _StorageRef(key, torch.UntypedStorage, numel * obj.dtype.itemsize)
             return (torch._utils._rebuild_tensor_v3,
-                    (st, 0, tuple(obj.shape), _strides(obj.shape), False, hooks, obj.dtype))
+                    (st, 0, tuple(obj.shape), _strides(obj.shape), obj.requires_grad, hooks,
+                     obj.dtype))
         st = _StorageRef(key, getattr(torch, self._legacy[obj.dtype]), numel)
         return (torch._utils._rebuild_tensor_v2,
-                (st, 0, tuple(obj.shape), _strides(obj.shape), False, hooks))
+                (st, 0, tuple(obj.shape), _strides(obj.shape), obj.requires_grad, hooks))
 
     def persistent_id(self, obj):
         if isinstance(obj, _StorageRef):
             return ("storage", obj.stype, obj.key, "cpu", obj.numel)
+        if isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj):
+            # a storage that torch's own reduce of a tensor named (a tensor
+            # subclass, a tensor on another device): as torch.save's
+            # persistent_id names it (pickle's default would embed its
+            # bytes through torch.storage._load_from_bytes, which
+            # torch.load(weights_only=True) refuses)
+            if isinstance(obj, torch.storage.TypedStorage):
+                st, stype, numel = (obj._untyped_storage, getattr(torch, obj._pickle_storage_type()),
+                                    obj._size())
+            else:
+                st, stype, numel = obj, torch.UntypedStorage, obj.nbytes()
+            key = self._storages.get(st._cdata)
+            if key is None:
+                key = self._storages[st._cdata] = str(len(self.order))
+                self.order.append(_TensorRef(None, torch.uint8, (st.nbytes(),), st))
+            return ("storage", stype, key, torch.serialization.location_tag(st), numel)
         return None
 
 
@@ -376,8 +400,10 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
                     w.write_record(name, text, len(text))
                 w.write_record("byteorder", sys.byteorder, len(sys.byteorder))
                 for i, ref in enumerate(order):
-                    if ref.mem is not None:   # a tensor inside a value
-                        w.write_record(f"data/{i}", ref.mem.data_ptr(), ref.nbytes)
+                    if ref.mem is not None:   # a tensor (or storage) inside a value
+                        st = (_storage_bytes(ref.mem) if isinstance(ref.mem, torch.Tensor)
+                              else ref.mem.cpu())
+                        w.write_record(f"data/{i}", st, ref.nbytes)
                         bar.update(ref.nbytes)
                         continue
                     e = entries[ref.key]
