@@ -144,7 +144,7 @@ def _pinned_load_buffer() -> torch.Tensor:
             _C.cuda_host_register(buf)  # False, with a RuntimeWarning, if refused
         except _C.CudaError as e:
             warnings.warn(f"{e}; loading through pageable memory", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=_values._outside_dcpx())
         _pinned_buffer = buf
     return _pinned_buffer
 
