@@ -121,7 +121,7 @@ def dtensor_chunk(dt: Any) -> _md.ChunkStorageMetadata:
     return _create_chunk_from_dtensor(dt)
 
 
-# torch 2.4-2.7: no AsyncCheckpointerType (torch 2.8 added it); torch
+# torch 2.4-2.6: no AsyncCheckpointerType (torch 2.7 added it); torch
 # 2.4-2.8: no AsyncSaveResponse (torch 2.9).  dcpx's async_save has both
 # (its PROCESS checkpointer and asynchronous staging work on every torch):
 # torch's classes where torch has them, so that isinstance checks against
@@ -184,13 +184,13 @@ def load_key_order(keys: Iterable[Any], distributed: bool) -> list:
 
 
 # torch.save's zip writer, ``torch._C.PyTorchFileWriter``: torch 2.4-2.5
-# take (file), 2.6-2.7 (file, compute_crc32), 2.8 and later (file,
+# take (file), 2.6 (file, compute_crc32), 2.7 and later (file,
 # compute_crc32, storage_alignment); every one writes CRCs and aligns
 # records at 64 bytes unless told otherwise.  torch.save writes the
-# ``.format_version`` and ``.storage_alignment`` records from 2.8 on.
+# ``.format_version`` and ``.storage_alignment`` records from 2.7 on.
 def torch_save_alignment() -> int:
     """The record alignment of the installed torch's ``torch.save`` (64
-    where torch has no setting for it: 2.4-2.7)."""
+    where torch has no setting for it: 2.4-2.6)."""
     import torch
     get = getattr(torch.serialization, "_get_storage_alignment", None)
     return int(get()) if get is not None else 64
@@ -199,7 +199,7 @@ def torch_save_alignment() -> int:
 def torch_save_header(align: int) -> list:
     """The records the installed torch's ``torch.save`` writes after
     ``data.pkl`` and before ``byteorder``: ``.format_version`` and
-    ``.storage_alignment`` from torch 2.8 (with the alignment setting),
+    ``.storage_alignment`` from torch 2.7 (with the alignment setting),
     none before."""
     import torch
     if not hasattr(torch.serialization, "_get_storage_alignment"):
