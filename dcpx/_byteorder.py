@@ -26,7 +26,7 @@ import struct
 import sys
 import zipfile
 from collections.abc import Mapping
-from typing import Any, Iterable, Iterator, Union
+from typing import Any, Iterable, Union
 
 import torch
 
@@ -66,18 +66,6 @@ def _untyped(dtype: torch.dtype) -> bool:
     """torch.save stores this dtype in an UntypedStorage (_rebuild_tensor_v3)."""
     return (dtype in torch.storage._new_dtypes()
             or dtype not in torch.storage._dtype_to_storage_type_map())
-
-
-def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in nested dicts, lists and tuples (what torch.load returns)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from tensors_in(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors_in(v)
 
 
 def tensors_within(obj: Any) -> list[torch.Tensor]:

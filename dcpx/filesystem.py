@@ -47,7 +47,7 @@ from ._pending import (  # noqa: F401
     tensor_payload,
     value_payload,
 )
-from ._byteorder import archive_byteorder, swap_untyped, tensors_in  # noqa: F401  (the CLI's torch.save source)
+from ._byteorder import archive_byteorder, swap_untyped, tensors_within  # noqa: F401  (the CLI's torch.save source)
 from ._flatten import flatten_state_dict  # noqa: F401  (the CLI reads torch.save files by it)
 from ._fmt_safetensors import is_raw  # noqa: F401  (a SAFETENSORS tensor's resolved entry)
 from ._reader import FileSystemReader, check_castable, check_zip_crcs  # noqa: F401

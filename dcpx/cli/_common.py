@@ -234,7 +234,7 @@ class TorchSource(Source):
     def __init__(self, path: Path):
         import torch
 
-        from ..filesystem import archive_byteorder, swap_untyped, tensors_in
+        from ..filesystem import archive_byteorder, swap_untyped, tensors_within
         self.path = Path(path)
         self.mapped = True
         if zipfile.is_zipfile(self.path):
@@ -256,7 +256,7 @@ class TorchSource(Source):
         # ones (uint16, float8...) unswapped (dcpx/_byteorder.py).
         order = archive_byteorder(self.path) if zipfile.is_zipfile(self.path) else sys.byteorder
         self.swapped = order != sys.byteorder
-        swap_untyped(tensors_in(obj), order)
+        swap_untyped(tensors_within(obj), order)
         self._values: dict[str, Any] = {}
         self._paths: dict[str, tuple] = {}
         # A state dict is flattened as DCP (torch >= 2.4) flattens it, so
