@@ -61,3 +61,7 @@ __all__ = ["FileSystemWriter", "FileSystemReader", "LazyItem"]
 # Pickles and reprs name the public module (the classes live in _writer /
 # _reader): a pickled writer (PROCESS checkpointing) stays loadable.
 FileSystemWriter.__module__ = FileSystemReader.__module__ = LazyItem.__module__ = __name__
+
+# The node-local tier's files (pieces, and the persistent step assembled
+# from them): dcpx.tiers moves them between ranks, dcpx._pieces writes them.
+from . import _pieces as pieces  # noqa: E402,F401

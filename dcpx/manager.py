@@ -34,6 +34,7 @@ from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
 from ._api import check_not_bootstrapping, wrap_state_dict
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from .tiers import LocalTier
 from .filesystem import (
     DEAD,
     LIVE,
@@ -84,6 +85,22 @@ def _is_unsafe(e: BaseException) -> Optional[UnsafeCheckpointError]:
                 return inner
         e, seen = e.__cause__, seen + 1
     return None
+
+
+def _fault(e: BaseException) -> str:
+    """Whose fault a failed load is: ``"step"`` (a corrupt record, a
+    missing or unreadable file: an older step may load), ``"remote"``
+    (another rank failed: dcpx raises a plain CheckpointError on the
+    others) or ``"user"`` (the state dict: a key the checkpoint lacks, a
+    shape that differs; or a value the safe loader refuses, in every
+    step)."""
+    if _is_unsafe(e):
+        return "user"
+    if isinstance(e, (CorruptCheckpointError, OSError)):
+        return "step"
+    if type(e) is CheckpointError:
+        return "remote"
+    return "user"
 
 
 def _unsafe(e: UnsafeCheckpointError) -> UnsafeCheckpointError:
@@ -411,6 +428,17 @@ class CheckpointManager:
     ``keep_best_k``, ``best_metric``, ``best_mode``: retention also keeps
     the ``keep_best_k`` steps whose user metadata (``save(...,
     metadata=)``) has the best ``best_metric`` (``"min"`` or ``"max"``).
+
+    ``local_root`` (docs/tiers.md): every save goes to this node-local
+    folder first (``/dev/shm/job``, a local NVMe), each rank's piece is
+    copied to ``replicas`` ranks of other nodes, and every
+    ``persist_interval_steps`` steps (and on preemption) the step is
+    written from the local tier to ``root`` as an ordinary DCP checkpoint;
+    the local tier keeps ``keep_local_k`` steps, ``root`` is kept by the
+    rules above.  ``node``: this rank's failure domain (default: host name
+    and local_root); ``tier_timeout_s``: how long the tier's collectives
+    wait for a lost peer.  :meth:`load` resumes from the newest step that
+    the pieces and replicas can assemble, or from ``root``.
     """
 
     def __init__(
@@ -433,6 +461,12 @@ class CheckpointManager:
         keep_best_k: Optional[int] = None,
         best_metric: Optional[str] = None,
         best_mode: str = "min",
+        local_root: Union[str, os.PathLike, None] = None,
+        replicas: int = 0,
+        persist_interval_steps: Optional[int] = None,
+        keep_local_k: int = 2,
+        node: Optional[str] = None,
+        tier_timeout_s: float = 600.0,
     ) -> None:
         check_not_bootstrapping("CheckpointManager")  # the main script run again by spawn
         if keep_latest_k is not None and int(keep_latest_k) < 1:
@@ -487,6 +521,13 @@ class CheckpointManager:
         self._old_handlers: dict[int, Any] = {}
         self._watchdog: Optional[threading.Thread] = None
         self._watchdog_stop = threading.Event()
+        self._tiers: Optional[LocalTier] = None
+        if local_root is not None:
+            self._tiers = LocalTier(self, local_root, replicas, persist_interval_steps,
+                                    keep_local_k, node, tier_timeout_s)
+        elif replicas or persist_interval_steps is not None:
+            raise ValueError("dcpx.CheckpointManager: replicas and persist_interval_steps "
+                             "need a local_root (the node-local tier)")
         if preemption:
             self.install_preemption_handler(preemption_signals, preemption_deadline_s)
 
@@ -527,7 +568,7 @@ class CheckpointManager:
 
     # --------------------------------------------------------------- save
     def save(self, step: int, state_dict: dict, force: bool = False,
-             metadata: Optional[dict] = None) -> Any:
+             metadata: Optional[dict] = None, persist: Optional[bool] = None) -> Any:
         """Save ``state_dict`` as ``root/step-{step}`` if ``step`` is a
         multiple of ``save_interval_steps`` (or ``force``, or preempted).
 
@@ -543,7 +584,11 @@ class CheckpointManager:
         commits), read back with :meth:`step_metadata` without loading any
         tensor; its ``best_metric`` value ranks the step for
         ``keep_best_k``.  A step saved again without ``metadata`` has none
-        (the earlier save's file is removed)."""
+        (the earlier save's file is removed).
+
+        With a ``local_root``: the save goes to the local tier;
+        ``persist`` (default: every ``persist_interval_steps`` steps, and
+        after preemption) also writes it to ``root``, in the background."""
         meta_bytes = _user_metadata_bytes(metadata)
         step = int(step)
         if step < 0:
@@ -553,6 +598,8 @@ class CheckpointManager:
         preempted = self._sync_preempted()
         if not (force or preempted or step % self.save_interval_steps == 0):
             return None
+        if self._tiers is not None:
+            return self._save_tiered(step, state_dict, preempted, persist, meta_bytes)
         self.wait()
         if preempted and self._last_saved == step:
             return None  # the final checkpoint is the one just saved
@@ -593,6 +640,56 @@ class CheckpointManager:
             self.wait()
         return result
 
+    def _save_tiered(self, step: int, state_dict: dict, preempted: bool,
+                     persist: Optional[bool], meta_bytes: Optional[bytes]) -> Any:
+        tiers = self._tiers
+        assert tiers is not None
+        if preempted and self._last_saved == step:
+            return None  # the final checkpoint is the one just persisted
+        if persist is None:
+            interval = tiers.persist_interval
+            persist = preempted or (interval is not None and step % interval == 0)
+        persist = bool(persist or preempted)
+        state_dict, _ = wrap_state_dict(state_dict, "dcpx.CheckpointManager.save")
+        if persist:
+            with self._lock:
+                self._writing.add(step)
+        try:
+            result = tiers.save(step, state_dict, _MODES[self.async_mode], self.async_stager,
+                                persist, meta_bytes if self._is_deleter() else None)
+        except BaseException:
+            with self._lock:
+                self._writing.discard(step)
+            raise
+        if preempted:
+            self.wait()
+        return result
+
+    def local_steps(self) -> list[int]:
+        """The steps this node's local tier holds a committed piece of
+        (of this rank or a partner's), ascending; [] without a local_root.
+        Which of them a resume can assemble is decided by :meth:`load`."""
+        if self._tiers is None:
+            return []
+        return sorted({s for s, _, _, _ in self._tiers.scan()})
+
+    @property
+    def tier_timings(self) -> dict:
+        """Per step saved with a ``local_root``: seconds from the save()
+        call until it returned (``blocked_s``), until the local piece
+        committed (``local_s``), until every rank's piece was replicated
+        (``replicated_s``) and until the step committed under ``root``
+        (``persisted_s``, persisted steps only)."""
+        return {} if self._tiers is None else self._tiers.timings
+
+    @property
+    def last_resume(self) -> Optional[dict]:
+        """How the last :meth:`load` with a ``local_root`` resumed:
+        ``{"step", "tier"}``, tier ``"local"`` (every rank from its own
+        node), ``"replica"`` (some rank fetched its piece from a partner)
+        or ``"persistent"`` (from ``root``)."""
+        return None if self._tiers is None else self._tiers.last_resume
+
     def _saved(self, step: int, fut: Optional[Future],
                done: Optional[threading.Event] = None) -> None:
         """A save ended (on the upload thread for async saves): forget it as
@@ -621,7 +718,10 @@ class CheckpointManager:
         return getattr(self._retention, "_shutdown", False)
 
     def wait(self) -> None:
-        """Wait for the save in flight to commit; raise its error if it failed."""
+        """Wait for the save in flight to commit; raise its error if it failed.
+        With a ``local_root``: its replication and persistence too."""
+        if self._tiers is not None:
+            self._tiers.wait_persisted()
         pending, self._pending = self._pending, None
         if pending is not None:
             try:
@@ -643,6 +743,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self._tiers is not None:
+                self._tiers.close()
             self._retention.shutdown(wait=True)
             self.uninstall_preemption_handler()
 
@@ -831,15 +933,9 @@ class CheckpointManager:
             _load(state_dict, **kw)
         except Exception as e:
             err = e
+            kind = _fault(e)
             if _is_unsafe(e):
-                kind = "user"    # refused by the safe loader: every step would be
                 err = _unsafe(_is_unsafe(e))
-            elif isinstance(e, (CorruptCheckpointError, OSError)):
-                kind = "step"    # a corrupt record, a missing or unreadable file
-            elif type(e) is CheckpointError:
-                kind = "remote"  # another rank failed (dcpx raises this on the others)
-            else:
-                kind = "user"    # a key the checkpoint lacks, a shape mismatch...
         outcomes = self._all_gather((kind, None if err is None else str(err)))
         if all(k == "ok" for k, _ in outcomes):
             return None
@@ -872,6 +968,27 @@ class CheckpointManager:
         it: a checkpoint's other top-level entries are never asked for."""
         if root is not None or exclude:
             return self._load_other(state_dict, step, root, exclude)
+        if self._tiers is None:
+            return self._load_root(state_dict, step)
+        target, wrapped = wrap_state_dict(state_dict, "dcpx.CheckpointManager.load")
+        self.wait()
+        self.wait_for_retention()
+
+        def warn(msg: str) -> None:
+            warnings.warn(f"dcpx.CheckpointManager.load: skipped {msg}", StepSkippedWarning,
+                          stacklevel=4)
+
+        got = self._tiers.resume(target, step, self.load_options, _fault, warn)
+        if got is not None:
+            for k in state_dict.keys() - wrapped:  # values dcpx.load replaced
+                state_dict[k] = target[k]
+            return got
+        got = self._load_root(state_dict, step)
+        self._tiers.resumed_from_persistent(got)
+        return got
+
+    def _load_root(self, state_dict: dict, step: Optional[int]) -> Optional[int]:
+        """load() from ``root`` (see there)."""
         target, wrapped = wrap_state_dict(state_dict, "dcpx.CheckpointManager.load")
         self.wait()
         self.wait_for_retention()  # no step of ours is deleted under the load
@@ -879,7 +996,7 @@ class CheckpointManager:
         candidates, notes = self._agree(plan)
         for note in notes:
             warnings.warn(f"dcpx.CheckpointManager.load: skipped {note}", StepSkippedWarning,
-                          stacklevel=2)
+                          stacklevel=3)
         if not candidates:
             return None
         failures = []
@@ -898,7 +1015,7 @@ class CheckpointManager:
             if step is None:
                 warnings.warn(f"dcpx.CheckpointManager.load: skipped {failures[-1]}"
                               f"{'' if s == candidates[-1] else '; trying an older step'}",
-                              StepSkippedWarning, stacklevel=2)
+                              StepSkippedWarning, stacklevel=3)
         raise CheckpointError(f"dcpx.CheckpointManager: no step under {self.root} loads: "
                               + "; ".join(failures))
 
