@@ -29,7 +29,6 @@ import errno
 import json
 import os
 import re
-import struct
 import uuid
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -46,8 +45,6 @@ _INCOMING = ".incoming-"
 _DELETING = ".deleting-"
 #: records start at this alignment in a data file (docs/format.md)
 _ALIGN = 64
-_PACK_MAGIC = b"DCPXPC1\0"
-_PACK_HEAD = struct.Struct("<8sIQ")  # magic, crc32 of the rest, length of the JSON index
 
 
 def save_key(run: int, seq: int) -> str:
@@ -143,85 +140,158 @@ def piece_bytes(piece: Path) -> int:
 
 
 # ------------------------------------------------------------ moving pieces
+#
+# A piece moves between ranks as an index (JSON: each file's name, size and
+# CRC-32) and then the files' bytes, sent straight from the sender's files
+# (mapped, read-only) and received straight into the receiver's new files
+# (mapped, shared): no buffer holds a copy of the piece on either side.
 
-def pack(piece: Path) -> bytearray:
-    """A committed piece's files as one buffer (to send to a partner):
-    header, a JSON index of (name, size), the files' bytes; the header's
-    CRC-32 covers everything after it."""
-    names = sorted(n for n in os.listdir(piece) if _FILE_RE.match(n))
-    if ".metadata" not in names:
-        raise CorruptCheckpointError(f"{piece}: not a committed piece (no .metadata)")
-    blobs = [read_regular(piece / n) for n in names]
-    index = json.dumps([[n, len(b)] for n, b in zip(names, blobs)]).encode()
-    out = bytearray(_PACK_HEAD.size)
-    out += index
-    for b in blobs:
-        out += b
-    body = memoryview(out)[_PACK_HEAD.size:]
-    _PACK_HEAD.pack_into(out, 0, _PACK_MAGIC, _C.crc32(body), len(index))
-    del body
-    return out
+#: most bytes one received file may claim (a corrupt index is refused, not allocated)
+_MAX_FILE = 1 << 46
 
 
-def unpack(data: Any, what: str) -> list:
-    """[(name, bytes view)] of a packed piece, after checking its CRC-32 and
-    that every name is a checkpoint file name (nothing else is written)."""
-    view = memoryview(data).cast("B")
-    if len(view) < _PACK_HEAD.size:
-        raise CorruptCheckpointError(f"{what}: a packed piece of {len(view)} bytes (truncated)")
-    magic, crc, n = _PACK_HEAD.unpack_from(view, 0)
-    if magic != _PACK_MAGIC or _C.crc32(view[_PACK_HEAD.size:]) != crc:
-        raise CorruptCheckpointError(f"{what}: the packed piece's checksum does not match "
-                                     f"(damaged in transfer)")
-    pos = _PACK_HEAD.size
+class Outgoing:
+    """A committed piece's files, mapped for sending; ``index`` is what the
+    receiver checks them by.  Close it (or use ``with``) after the sends."""
+
+    def __init__(self, piece: Path) -> None:
+        import mmap
+        from ._files import open_regular
+        self.maps: list = []
+        self.index: list = []
+        names = sorted(n for n in os.listdir(piece) if _FILE_RE.match(n))
+        if ".metadata" not in names:
+            raise CorruptCheckpointError(f"{piece}: not a committed piece (no .metadata)")
+        try:
+            for n in names:
+                fd = open_regular(piece / n)
+                try:
+                    size = os.fstat(fd).st_size
+                    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+                finally:
+                    os.close(fd)
+                self.maps.append(mm)
+                self.index.append([n, size, _C.crc32(mm) if mm is not None else 0])
+        except BaseException:
+            self.close()
+            raise
+
+    def views(self) -> list:
+        """One read-only buffer per file of the index (None: an empty file)."""
+        return self.maps
+
+    def close(self) -> None:
+        for mm in self.maps:
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a send still holds it: freed with it
+                    pass
+        self.maps = []
+
+    def __enter__(self) -> "Outgoing":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def encode_index(index: list) -> bytes:
+    return json.dumps(index).encode()
+
+
+def decode_index(data: Any, what: str) -> list:
+    """The index a sender sent, checked: every name a checkpoint file name
+    (nothing else is ever written), sizes and CRCs integers, a ``.metadata``."""
     try:
-        index = json.loads(bytes(view[pos:pos + n]))
+        index = json.loads(bytes(data))
     except ValueError as e:
-        raise CorruptCheckpointError(f"{what}: the packed piece's index is not JSON: {e}") from None
-    pos += n
-    files = []
-    for name, size in index:
-        if not isinstance(name, str) or not _FILE_RE.match(name) or not isinstance(size, int):
-            raise CorruptCheckpointError(f"{what}: the packed piece names {name!r}, not a "
-                                         f"checkpoint file")
-        files.append((name, view[pos:pos + size]))
-        pos += size
-    if pos != len(view) or ".metadata" not in [f for f, _ in files]:
-        raise CorruptCheckpointError(f"{what}: the packed piece's index does not match its bytes")
-    return files
+        raise CorruptCheckpointError(f"{what}: the piece's index is not JSON: {e}") from None
+    ok = isinstance(index, list)
+    for entry in index if ok else ():
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and _FILE_RE.match(entry[0]) and all(isinstance(x, int) for x in entry[1:])
+                and 0 <= entry[1] <= _MAX_FILE and 0 <= entry[2] < 1 << 32):
+            raise CorruptCheckpointError(f"{what}: the piece's index holds {entry!r}, not "
+                                         f"(checkpoint file name, size, CRC-32)")
+    names = [e[0] for e in index] if ok else []
+    if not ok or ".metadata" not in names or len(set(names)) != len(names):
+        raise CorruptCheckpointError(f"{what}: the piece's index is not a piece's")
+    return index
 
 
-def install(dest: Path, files: Iterable, sync: bool = True) -> None:
-    """Write a piece's files into a new folder beside ``dest`` and rename it
-    to ``dest`` (the commit: the folder appears complete or not at all).  A
-    piece already at ``dest`` (the same save's, received again) is
-    replaced."""
-    dest = Path(dest)
-    os.makedirs(dest.parent, exist_ok=True)
-    tmp = dest.parent / f"{_INCOMING}{dest.name}-{uuid.uuid4().hex[:8]}"
-    os.mkdir(tmp)
-    try:
-        for name, data in files:
-            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-        if sync:
-            _fsync_dir(tmp)
-        if os.path.isdir(dest):
-            remove_tree(dest)
-        os.rename(tmp, dest)
-        if sync:
-            _fsync_dir(dest.parent)
-    except BaseException:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+class Incoming:
+    """A piece being received into a new folder beside ``dest``: each file
+    created at its size and mapped, so the bytes land in it directly;
+    :meth:`commit` checks every file's CRC-32, syncs and renames the folder
+    to ``dest`` (it appears complete or not at all); a piece already there
+    (the same save's, received again) is replaced.  Without a commit,
+    :meth:`close` removes the folder."""
+
+    def __init__(self, dest: Path, index: list, what: str, sync: bool = True) -> None:
+        import mmap
+        self.dest, self.index, self.what, self.sync = Path(dest), index, what, sync
+        os.makedirs(self.dest.parent, exist_ok=True)
+        self.tmp = self.dest.parent / f"{_INCOMING}{self.dest.name}-{uuid.uuid4().hex[:8]}"
+        os.mkdir(self.tmp)
+        self.maps: list = []
+        self.fds: list = []
+        try:
+            for name, size, _ in index:
+                fd = os.open(self.tmp / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                             0o644)
+                self.fds.append(fd)
+                if size:
+                    # Reserved now: a full disk is an OSError here, never a
+                    # SIGBUS when the mapping is written.
+                    os.posix_fallocate(fd, 0, size)
+                self.maps.append(mmap.mmap(fd, size) if size else None)
+        except BaseException:
+            self.close()
+            raise
+
+    def views(self) -> list:
+        """One writable buffer per file of the index (None: an empty file)."""
+        return self.maps
+
+    def commit(self) -> None:
+        for (name, size, crc), mm in zip(self.index, self.maps):
+            if mm is not None and _C.crc32(mm) != crc:
+                raise CorruptCheckpointError(f"{self.what}: {name} arrived with another CRC-32 "
+                                             f"than it was sent with (damaged in transfer)")
+        for mm in self.maps:
+            if mm is not None and self.sync:
+                mm.flush()
+        for fd in self.fds:
+            if self.sync:
+                os.fsync(fd)
+        self._release()
+        if self.sync:
+            _fsync_dir(self.tmp)
+        if os.path.isdir(self.dest):
+            remove_tree(self.dest)
+        os.rename(self.tmp, self.dest)
+        self.tmp = None
+        if self.sync:
+            _fsync_dir(self.dest.parent)
+
+    def _release(self) -> None:
+        for mm in self.maps:
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:
+                    pass
+        for fd in self.fds:
+            os.close(fd)
+        self.maps, self.fds = [], []
+
+    def close(self) -> None:
+        self._release()
+        if self.tmp is not None:
+            import shutil
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
 
 
 # ---------------------------------------------------- the persistent step

@@ -673,10 +673,26 @@ class CheckpointManager:
             return []
         return sorted({s for s, _, _, _ in self._tiers.scan()})
 
+    def space_needed(self, piece_bytes: Optional[int] = None) -> dict:
+        """The bytes each tier needs (docs/tiers.md, "Space") for pieces of
+        ``piece_bytes`` per rank (default: the last piece this rank saved):
+        ``local_per_node``, ``local_per_step_per_node``,
+        ``persistent_per_step_at_most``.  Needs a ``local_root``."""
+        if self._tiers is None:
+            raise ValueError("dcpx.CheckpointManager.space_needed: no local_root (one tier: "
+                             "a step needs what one save writes)")
+        if piece_bytes is None:
+            piece_bytes = self._tiers.last_piece_bytes
+            if piece_bytes is None:
+                raise ValueError("dcpx.CheckpointManager.space_needed: nothing saved yet; "
+                                 "pass piece_bytes")
+        return self._tiers.space_needed(int(piece_bytes))
+
     @property
     def tier_timings(self) -> dict:
         """Per step saved with a ``local_root``: seconds from the save()
-        call until it returned (``blocked_s``), until the local piece
+        call until it returned (``blocked_s``; ``waited_s`` of it waiting for
+        earlier steps' replication), until the local piece
         committed (``local_s``), until every rank's piece was replicated
         (``replicated_s``) and until the step committed under ``root``
         (``persisted_s``, persisted steps only)."""

@@ -20,7 +20,10 @@ stand-in of tests/test_cuda_standin.py):
 6. 50 async saves with no growth of device memory or of dcpx's host
    registrations;
 7. a fork after CUDA use: the child saves and loads CPU tensors without a
-   driver call, the parent goes on using CUDA.
+   driver call, the parent goes on using CUDA;
+8. the manager's node-local tier (docs/tiers.md) on CUDA tensors: local
+   pieces, the persistent step assembled from them, resume into CUDA
+   tensors, torch DCP reading the persistent step.
 """
 from __future__ import annotations
 
@@ -363,3 +366,35 @@ def test_a_fork_after_cuda_use(tmp_path):
     out = {"x": torch.empty_like(x)}
     dcpx.load(out, checkpoint_id=tmp_path / "parent1")
     assert torch.equal(out["x"], x)
+
+
+def test_the_node_local_tier_with_cuda_tensors(tmp_path):
+    """CheckpointManager(local_root=...) on CUDA tensors (docs/tiers.md):
+    the local pieces and the persistent step assembled from them hold the
+    device values bit-exactly, resume loads them back into CUDA tensors,
+    and torch DCP reads the persistent step."""
+    def sd(step):
+        g = torch.Generator(device="cuda").manual_seed(step)
+        return {"w": torch.randn(1 << 16, device="cuda", generator=g),
+                "b": torch.arange(100, device="cuda") * step, "step": step}
+    m = dcpx.CheckpointManager(tmp_path / "root", local_root=tmp_path / "local",
+                               persist_interval_steps=2)
+    for step in (1, 2, 3):
+        resp = m.save(step, sd(step))
+        getattr(resp, "staging_completion", resp).result()
+    m.close()
+    assert m.all_steps() == [2] and m.local_steps() == [2, 3]
+    m = dcpx.CheckpointManager(tmp_path / "root", local_root=tmp_path / "local",
+                               persist_interval_steps=2)
+    out = {"w": torch.zeros(1 << 16, device="cuda"),
+           "b": torch.zeros(100, dtype=torch.int64, device="cuda"), "step": 0}
+    assert m.load(out) == 3 and m.last_resume["tier"] == "local"
+    want = sd(3)
+    assert_same(out["w"], want["w"], "w")
+    assert_same(out["b"], want["b"], "b")
+    m.close()
+    tout = {"w": torch.zeros(1 << 16, device="cuda"),
+            "b": torch.zeros(100, dtype=torch.int64, device="cuda"), "step": 0}
+    tdcp.load(tout, checkpoint_id=str(tmp_path / "root" / "step-2"))
+    assert_same(tout["w"], sd(2)["w"], "torch w")
+    assert tout["step"] == 2

@@ -1,0 +1,312 @@
+"""What the node-local tier costs and saves (issue 19; docs/tiers.md).
+
+4 ranks (gloo, one process each) stand in for 2 nodes of 2 ranks; each
+rank holds ``--mib`` MiB of fp32 tensors (``--count`` of them, half the
+bytes its own, half a replicated part every rank holds, as data-parallel
+weights are).  Two managers save the same steps:
+
+* ``tiered``: ``CheckpointManager(root, local_root=<node's folder>,
+  replicas=1, persist_interval_steps=P)``, a save every step;
+* ``direct``: ``CheckpointManager(root)`` saving every step straight to
+  ``root`` (async, as today).
+
+Per save (medians over the saves after the first, the slowest rank):
+the time ``save()`` blocks the training thread, and the time until the
+step is locally durable, replicated on the partner node, persistent
+(tiered), or committed under root (direct).  Per resume (tiered): from the
+local tier, from a partner's replica (node 1's local folder deleted), and
+from the persistent tier (both deleted).  The machine's own limits, in the
+same run: memcpy of a rank's bytes into a warm buffer, a sequential write
++ fsync of them to root's file system and to the local tier's, a read.
+
+The local tier defaults to a folder under /dev/shm (node memory, as in
+production: docs/tiers.md), root to a folder on the disk
+(``--root-dir``); here both share this machine's cores and memory bus, so
+the replication is a local copy, not a network transfer.
+
+Usage::
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_tiers.py --out benchmarks/results/tiers_local
+    PYTHONPATH=$PWD python3 benchmarks/bench_tiers.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+WORLD, PER_NODE = 4, 2
+
+
+def _state(rank: int, mib: float, count: int, step: int) -> dict:
+    n = max(1, int(mib * (1 << 20) / 4 / count))
+    sd = {}
+    for i in range(count):
+        owner = "shared" if i % 2 == 0 else f"rank{rank}"
+        sd[f"{owner}.t{i}"] = torch.full((n,), float(step * 1000 + i))
+    return sd
+
+
+def _limits(local: str, root: str, nbytes: int) -> dict:
+    """memcpy, write + fsync (root's and local's file systems), read."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t.append(time.perf_counter() - t0)
+    out = {"memcpy_s": min(t)}
+    data = src.numpy().tobytes()
+    for name, d in (("write_root_s", root), ("write_local_s", local)):
+        os.makedirs(d, exist_ok=True)
+        p = os.path.join(d, "limit.bin")
+        best = None
+        for _ in range(2):
+            t0 = time.perf_counter()
+            with open(p, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        out[name] = best
+        t0 = time.perf_counter()
+        with open(p, "rb") as f:
+            while f.read(64 << 20):
+                pass
+        out[name.replace("write", "read")] = time.perf_counter() - t0
+        os.unlink(p)
+    return out
+
+
+def _rank(rank: int, work: str, mode: str, args: dict, out: str) -> None:
+    import torch.distributed as dist
+    sys.path.insert(0, args["repo"])
+    import dcpx
+    dist.init_process_group("gloo", init_method=f"file://{work}/pg-{mode}", rank=rank,
+                            world_size=WORLD)
+    torch.set_num_threads(1)
+    node = rank // PER_NODE
+    local = os.path.join(args["local_dir"], f"node{node}")
+    root = os.path.join(args["root_dir"], mode)
+    res: dict = {"rank": rank}
+    if mode in ("tiered", "direct"):
+        kw = {}
+        if mode == "tiered":
+            kw = dict(local_root=local, node=f"node{node}", replicas=1,
+                      persist_interval_steps=args["persist"], keep_local_k=2)
+        if mode == "tiered":  # the "network" limit here: one rank's bytes to its partner
+            buf = torch.ones(int(args["mib"] * (1 << 20)) // 4)
+            got = torch.empty_like(buf)
+            partner = (rank + PER_NODE) % WORLD
+            best = None
+            for _ in range(2):
+                dist.barrier()
+                t0 = time.monotonic()
+                w = dist.isend(buf, partner)
+                dist.recv(got, partner)
+                w.wait()
+                dist.barrier()
+                dt = time.monotonic() - t0
+                best = dt if best is None else min(best, dt)
+            res["p2p_s"] = best
+            del buf, got
+        m = dcpx.CheckpointManager(root, keep_latest_k=2, **kw)
+        saves = []
+        for step in range(1, args["steps"] + 1):
+            sd = _state(rank, args["mib"], args["count"], step)
+            dist.barrier()
+            t0 = time.monotonic()
+            r = m.save(step, sd)
+            blocked = time.monotonic() - t0
+            staged = getattr(r, "staging_completion", None)
+            if staged is not None:
+                staged.result()
+            if mode == "direct":
+                m.wait()
+                saves.append({"step": step, "blocked_s": blocked,
+                              "committed_s": time.monotonic() - t0})
+            time.sleep(args["step_s"])  # training between saves
+        m.close()
+        if mode == "tiered":
+            for step, t in sorted(m.tier_timings.items()):
+                saves.append({"step": step, **t})
+        res["saves"] = saves
+        res["piece_bytes"] = m._tiers.last_piece_bytes if mode == "tiered" else None
+    else:  # resume-{local,replica,persistent}
+        m = dcpx.CheckpointManager(os.path.join(args["root_dir"], "tiered"), local_root=local,
+                                   node=f"node{node}", replicas=1,
+                                   persist_interval_steps=args["persist"])
+        sd = _state(rank, args["mib"], args["count"], 0)
+        dist.barrier()
+        t0 = time.monotonic()
+        step = m.load(sd)
+        res["load_s"] = time.monotonic() - t0
+        res["step"] = step
+        res["tier"] = (m.last_resume or {}).get("tier")
+        want = _state(rank, args["mib"], args["count"], step)
+        res["exact"] = all(torch.equal(sd[k], want[k]) for k in want)
+        m.close()
+    with open(os.path.join(out, f"{mode}.{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def _spawn(work: str, mode: str, args: dict) -> list:
+    out = os.path.join(work, "out")
+    os.makedirs(out, exist_ok=True)
+    mp.start_processes(_rank, args=(work, mode, args, out), nprocs=WORLD, start_method="spawn")
+    got = []
+    for r in range(WORLD):
+        with open(os.path.join(out, f"{mode}.{r}.json")) as f:
+            got.append(json.load(f))
+    return got
+
+
+def _slowest(per_rank: list, key: str) -> list:
+    """Per step, the slowest rank's value of ``key`` (saves after the first)."""
+    steps: dict = {}
+    for r in per_rank:
+        for s in r["saves"]:
+            if key in s:
+                steps.setdefault(s["step"], []).append(s[key])
+    return [max(v) for k, v in sorted(steps.items()) if k > 1 and len(v) == len(per_rank)]
+
+
+def _med(xs: list):
+    return statistics.median(xs) if xs else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mib", type=float, default=256.0, help="MiB per rank (default 256)")
+    ap.add_argument("--count", type=int, default=64, help="tensors per rank")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--persist", type=int, default=4, help="persist_interval_steps")
+    ap.add_argument("--step-s", type=float, default=1.0, help="seconds of 'training' between saves")
+    ap.add_argument("--local-dir", default=None, help="default: a folder under /dev/shm")
+    ap.add_argument("--root-dir", default=None, help="default: a folder under the working dir")
+    ap.add_argument("--quick", action="store_true", help="32 MiB per rank, 6 steps")
+    ap.add_argument("--out", help="write OUT.json and OUT.md")
+    a = ap.parse_args()
+    if a.quick:
+        a.mib, a.steps, a.step_s = 32.0, 6, 0.3
+    work = tempfile.mkdtemp(prefix="dcpx-bench-tiers-", dir=os.getcwd())
+    local_dir = a.local_dir or tempfile.mkdtemp(prefix="dcpx-bench-tiers-",
+                                                dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    root_dir = a.root_dir or os.path.join(work, "root")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    args = {"mib": a.mib, "count": a.count, "steps": a.steps, "persist": a.persist,
+            "step_s": a.step_s, "local_dir": local_dir, "root_dir": root_dir, "repo": repo}
+    try:
+        nbytes = int(a.mib * (1 << 20))
+        limits = _limits(os.path.join(local_dir, "limits"), os.path.join(root_dir, "limits"),
+                         nbytes)
+        direct = _spawn(work, "direct", args)
+        tiered = _spawn(work, "tiered", args)
+        resumes = {}
+        resumes["local"] = _spawn(work, "resume-local", args)
+        shutil.rmtree(os.path.join(local_dir, "node1"))
+        resumes["replica"] = _spawn(work, "resume-replica", args)
+        shutil.rmtree(os.path.join(local_dir, "node0"))
+        shutil.rmtree(os.path.join(local_dir, "node1"))
+        resumes["persistent"] = _spawn(work, "resume-persistent", args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if a.local_dir is None:
+            shutil.rmtree(local_dir, ignore_errors=True)
+    rows = {
+        "direct": {"blocked_s": _med(_slowest(direct, "blocked_s")),
+                   "committed_s": _med(_slowest(direct, "committed_s"))},
+        "tiered": {k: _med(_slowest(tiered, k))
+                   for k in ("blocked_s", "waited_s", "local_s", "replicated_s", "persisted_s")},
+    }
+    res = {k: {"load_s": max(r["load_s"] for r in v), "step": v[0]["step"],
+               "tier": v[0]["tier"], "exact": all(r["exact"] for r in v)}
+           for k, v in resumes.items()}
+    try:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo,
+                             capture_output=True, text=True).stdout.strip()
+    except OSError:
+        git = "?"
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "git": git, "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "argv": " ".join(sys.argv[1:]), "loadavg": os.getloadavg(),
+            "piece_bytes": tiered[0]["piece_bytes"], **args}
+    limits["p2p_s"] = max(r["p2p_s"] for r in tiered)
+    result = {"meta": meta, "limits": limits, "saves": rows, "resumes": res}
+    text = _markdown(result)
+    print(text)
+    if a.out:
+        with open(a.out + ".json", "w") as f:
+            json.dump(result, f, indent=1)
+        with open(a.out + ".md", "w") as f:
+            f.write(text)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f} s"
+
+
+def _markdown(r: dict) -> str:
+    m, lim, s, res = r["meta"], r["limits"], r["saves"], r["resumes"]
+    mib = m["mib"]
+    L = ["# The node-local tier: cost per save and per resume", "",
+         f"Command: `PYTHONPATH=$PWD python3 benchmarks/bench_tiers.py {m['argv']}`".rstrip() + "  ",
+         f"Run {m['date']} at {m['git']}; {m['cpus']} cores, Python {m['python']}, torch "
+         f"{m['torch']}; load average at the end {tuple(round(x, 2) for x in m['loadavg'])}.", "",
+         f"4 ranks as 2 nodes x 2 ranks (gloo), {mib:g} MiB per rank in {m['count']} fp32 "
+         f"tensors (half of them the same on every rank), a save every step "
+         f"({m['steps']} steps, {m['step_s']:g} s of 'training' between saves), replicas=1, "
+         f"persist_interval_steps={m['persist']}. Local tier: `{m['local_dir']}` "
+         f"(tmpfs, node memory); root: `{m['root_dir']}` (disk). Medians over saves 2..N of "
+         f"the slowest rank; seconds from the save() call.", "",
+         "Machine limits, same run, one rank's bytes "
+         f"({mib:g} MiB): memcpy {lim['memcpy_s']:.3f} s, write + fsync to root's disk "
+         f"{lim['write_root_s']:.3f} s (read back {lim['read_root_s']:.3f} s), to the local "
+         f"tier {lim['write_local_s']:.3f} s; gloo send to the partner rank, all ranks at "
+         f"once (this machine's 'network': loopback TCP) {lim['p2p_s']:.3f} s.", "",
+         "| per save | direct to root, every step | tiered |", "| --- | --- | --- |",
+         f"| training thread blocked | {_fmt(s['direct']['blocked_s'])} | "
+         f"{_fmt(s['tiered']['blocked_s'])} |",
+         f"| of which waiting for earlier steps' replication | | "
+         f"{_fmt(s['tiered']['waited_s'])} |",
+         f"| step durable (direct: committed under root; tiered: local piece committed) | "
+         f"{_fmt(s['direct']['committed_s'])} | {_fmt(s['tiered']['local_s'])} |",
+         f"| step survives the loss of a node (direct: committed; tiered: replicated) | "
+         f"{_fmt(s['direct']['committed_s'])} | {_fmt(s['tiered']['replicated_s'])} |",
+         f"| step persistent under root (tiered: every {m['persist']} steps) | "
+         f"{_fmt(s['direct']['committed_s'])} | {_fmt(s['tiered']['persisted_s'])} |", ""]
+    d, t = s["direct"], s["tiered"]
+    if d["committed_s"] and t["replicated_s"]:
+        L.append(f"Ratios: time to survive a node loss, direct / tiered = "
+                 f"{d['committed_s'] / t['replicated_s']:.2f}x; tiered time to local durability "
+                 f"/ the local tier's write+fsync limit = {t['local_s'] / lim['write_local_s']:.2f}x; "
+                 f"direct commit / root's write+fsync limit = "
+                 f"{d['committed_s'] / lim['write_root_s']:.2f}x; tiered replication (replicated "
+                 f"- local) / the gloo send limit = "
+                 f"{(t['replicated_s'] - t['local_s']) / lim['p2p_s']:.2f}x.")
+        L.append("")
+    L += ["| resume (all 4 ranks, slowest) | step | tier | seconds | bit-exact |",
+          "| --- | --- | --- | --- | --- |"]
+    for k, v in res.items():
+        L.append(f"| {k} | {v['step']} | {v['tier']} | {v['load_s']:.3f} s | "
+                 f"{'yes' if v['exact'] else 'NO'} |")
+    L.append("")
+    return "\n".join(L)
+
+
+if __name__ == "__main__":
+    main()
