@@ -55,8 +55,10 @@ def run(rank: int, work: str, last_step: int, die_after: int) -> None:
             want = json.load(f)[str(start)]
         assert digest(model) == want, "resumed weights differ from the saved step"
         how = ckpt.last_resume
-        print(f"rank {rank}: resumed at step {start} from the {how['tier']} tier, weights "
-              f"bit-exact", flush=True)
+        where = {"local": "every rank from its own node",
+                 "replica": "the lost node's pieces fetched from their replicas",
+                 "persistent": "the persistent tier"}[how["tier"]]
+        print(f"rank {rank}: resumed at step {start} ({where}), weights bit-exact", flush=True)
     for step in range(start + 1, last_step + 1):
         x = torch.randn(32, 16, generator=torch.Generator().manual_seed(step))
         loss = (model(x) - x).pow(2).mean()

@@ -8,7 +8,8 @@ The rules (docs: README, "Documentation"):
   ``state``, ``train_step``, ``steps``, ``every``, ``ckpt``, ...);
 * ```sh``` blocks run with ``bash -e -o pipefail`` in a fresh directory
   holding the files they name (``runs/llama/step-200``, ``ckpt/step-1000``,
-  ``pretrained.pt``, ``config.json``, ``tokenizer.json``), with ``dcpx`` and
+  ``pretrained.pt``, ``config.json``, ``tokenizer.json``, and ``examples/``
+  as in the repository), with ``dcpx`` and
   ``python`` on the PATH meaning this tree's;
 * ```text``` blocks are output, layouts and signatures: not commands;
 * a block that is a command but must not run here (it takes tens of minutes,
@@ -126,6 +127,7 @@ def test_block_runs_as_written(block, tmp_path):
     else:
         subprocess.run([sys.executable, "-c", SH_FIXTURE], cwd=work, env=env, check=True,
                        capture_output=True, timeout=300)
+        (work / "examples").symlink_to(REPO / "examples")  # as run from the repository root
         script = work / "block.sh"
         script.write_text("set -eo pipefail\n" + block["code"] + "\n")
         cmd = ["bash", str(script)]
