@@ -59,6 +59,12 @@ _MSG = 256 << 20
 _IN_FLIGHT = 2
 
 
+def _torch_has_no_dist() -> bool:
+    import inspect
+    from torch.distributed import checkpoint as dcp
+    return all("no_dist" in inspect.signature(f).parameters for f in (dcp.save, dcp.load))
+
+
 class LocalTierFullError(CheckpointError, OSError):
     """The node-local tier has no room for the step: the message gives the
     bytes it needs and the bytes free."""
@@ -152,6 +158,13 @@ class LocalTier:
             # threads' collectives never meet the training thread's.
             self.g_repl = dist.new_group(ranks, backend="gloo", timeout=t)
             self.g_persist = dist.new_group(ranks, backend="gloo", timeout=t)
+            self.g_self = None
+            if not _torch_has_no_dist():
+                # torch < 2.7 has no no_dist=: a rank's own piece is saved and
+                # loaded with a group of this rank alone instead (only this
+                # rank creates it).
+                self.g_self = dist.new_group([self.global_rank[self.rank]], backend="gloo",
+                                             timeout=t, use_local_synchronization=True)
             names: list = [None] * self.world
             dist.all_gather_object(names, str(name), group=self.g_repl)
             box = [time.time_ns()]
@@ -159,7 +172,7 @@ class LocalTier:
             run = int(box[0])
         else:
             self.world, self.rank, self.global_rank = 1, 0, [0]
-            self.g_repl = self.g_persist = None
+            self.g_repl = self.g_persist = self.g_self = None
             names, run = [str(name)], time.time_ns()
         self.topology = Topology(names)
         self.topology.check_replicas(self.replicas)
@@ -182,6 +195,17 @@ class LocalTier:
         self.last_resume: Optional[dict] = None
 
     # ----------------------------------------------------------- helpers
+    def _solo(self) -> dict:
+        """The keyword that makes dcpx.save / load touch this rank alone:
+        nothing without a process group, else ``no_dist=True`` (or, where
+        torch lacks it and dcpx falls back to torch's save or load, a group
+        of this rank alone)."""
+        if not self.dist:
+            return {}
+        if self.g_self is not None:
+            return {"process_group": self.g_self}
+        return {"no_dist": True}
+
     def scan(self) -> list:
         """The committed pieces on this node: (step, key, rank, world)."""
         return pieces.scan(self.local)
@@ -284,11 +308,11 @@ class LocalTier:
             self._check_space()
             os.makedirs(piece, exist_ok=True)
             if mode is None:
-                result = _save(state_dict, checkpoint_id=piece, no_dist=True)
+                result = _save(state_dict, checkpoint_id=piece, **self._solo())
                 upload = Future()
                 upload.set_result(result)
             else:
-                result = _async_save(state_dict, checkpoint_id=piece, no_dist=True,
+                result = _async_save(state_dict, checkpoint_id=piece, **self._solo(),
                                      async_checkpointer_type=mode, async_stager=stager)
                 upload = getattr(result, "upload_completion", result)
         except BaseException as e:
@@ -656,9 +680,9 @@ class LocalTier:
                     from .filesystem import FileSystemReader
                     reader = FileSystemReader(self._piece(s, key), **reader_options)
                 if reader is None:
-                    _load(state_dict, checkpoint_id=self._piece(s, key), no_dist=True)
+                    _load(state_dict, checkpoint_id=self._piece(s, key), **self._solo())
                 else:
-                    _load(state_dict, storage_reader=reader, no_dist=True)
+                    _load(state_dict, storage_reader=reader, **self._solo())
             except Exception as e:
                 kind, msg = classify(e), f"{type(e).__name__}: {e}"
                 if kind == "user":

@@ -52,7 +52,7 @@ def state(rank: int, world: int, step: int, mesh=None, zero: bool = False) -> di
     sd = {"shared": v("shared"), f"rank{rank}": v(f"rank{rank}"),
           "meta": {"step": -1 if zero else step, "rank": rank}}
     if mesh is not None:
-        from torch.distributed.tensor import Shard, distribute_tensor
+        from dtensor_api import Shard, distribute_tensor
         full = v("dt", 64).reshape(16, 4)
         sd["dt"] = distribute_tensor(full, mesh, [Shard(0)])
     return sd
@@ -320,6 +320,7 @@ def test_single_process_tiers(tmp_path):
     for step in range(1, 8):
         m.save(step, state(0, 1, step), metadata={"loss": 1.0 / step})
     m.wait()
+    m.wait_for_retention()  # root's retention runs after each persistence, on its thread
     assert m.all_steps() == [4, 6]        # persisted every 2 steps, 2 kept
     assert m.local_steps() == [6, 7]      # keep_local_k
     assert m.step_metadata(6) == {"loss": 1.0 / 6}
@@ -360,7 +361,9 @@ def test_corrupt_local_piece_falls_back_with_a_warning(tmp_path):
     piece = pieces.piece_dir(tmp_path / "local", 5, key, 0, 1)
     data = next(p for p in piece.iterdir() if p.name.endswith(".distcp"))
     raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
+    at = raw.find(value("shared", 5).numpy().tobytes())  # a tensor's bytes, not padding
+    assert at > 0
+    raw[at + 100] ^= 0xFF
     data.write_bytes(bytes(raw))
     m = _single(tmp_path)
     sd = state(0, 1, 0, zero=True)
