@@ -1,11 +1,11 @@
 """Lose a node, resume from its partners' replicas (docs/tiers.md).
 
-4 ranks on this machine stand in for 2 nodes of 2 ranks (gloo; each node
-has its own local folder).  The first run trains and saves every step to
+2 ranks on this machine stand in for 2 nodes of one rank each (gloo; each
+node has its own local folder; tests/test_tiers.py runs 2 nodes of 2 ranks).  The first run trains and saves every step to
 the node-local tier, each rank's piece replicated on the other node, and
 every 4th step to the persistent tier; after step 6 the job dies, and node
-1 is replaced: its local folder is deleted.  The second run resumes: ranks
-2 and 3 fetch their pieces from node 0, every rank checks that its weights
+1 is replaced: its local folder is deleted.  The second run resumes: rank
+1 fetches its piece from node 0, every rank checks that its weights
 are bit-exact those of step 6, and training goes on.
 
     python examples/lost_node.py [--dir DIR]
@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dcpx  # noqa: E402
 
-WORLD, PER_NODE = 4, 2
+WORLD, PER_NODE = 2, 1
 
 
 def digest(model: torch.nn.Module) -> str:

@@ -30,8 +30,8 @@ from dist_helpers import spawn, spawn_outcomes
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(),
                                 reason="torch.distributed is not available")
 
-#: random-kill trials in one test run (more: DCPX_TIER_TRIALS=20)
-TRIALS = int(os.environ.get("DCPX_TIER_TRIALS", "2"))
+#: random-kill trials in one test run (CI: 1; more: DCPX_TIER_TRIALS=20)
+TRIALS = int(os.environ.get("DCPX_TIER_TRIALS", "1"))
 
 
 # ------------------------------------------------------------------ values
@@ -116,8 +116,9 @@ def train(rank: int, world: int, workdir: str, steps: int, kill_at_end: bool,
     return m.all_steps()
 
 
-def resume(rank: int, world: int, workdir: str, per_node: int, save_more: int = 0) -> dict:
-    mesh = _mesh(world)
+def resume(rank: int, world: int, workdir: str, per_node: int, save_more: int = 0,
+           mesh=None) -> dict:
+    mesh = mesh if mesh is not None else _mesh(world)
     m = manager(rank, world, workdir, per_node=per_node, replicas=1 if world > 2 else 0)
     sd = state(rank, world, 0, mesh, zero=True)
     with warnings.catch_warnings(record=True) as caught:
@@ -133,6 +134,14 @@ def resume(rank: int, world: int, workdir: str, per_node: int, save_more: int = 
                        if issubclass(w.category, dcpx.manager.StepSkippedWarning)]
     how["local_steps"] = m.local_steps()
     return {"step": got, **how}
+
+
+def resume_each(rank: int, world: int, runs: list) -> list:
+    """resume() in each of ``runs`` ((workdir, per_node, save_more)), one
+    after the other in one job: a spawn of 4 interpreters costs more than
+    the resumes."""
+    mesh = _mesh(world)
+    return [resume(rank, world, w, per_node, more, mesh=mesh) for w, per_node, more in runs]
 
 
 # --------------------------------------------------------- multi-rank tests
@@ -168,11 +177,46 @@ def test_layout_after_the_run(trained):
             assert ranks == [0, 1, 2, 3], (node, s, ranks)  # its own 2 + the 2 replicas
 
 
-@pytest.mark.dist
-def test_lost_node_resumes_from_replicas(trained, tmp_path):
-    work = _copy(trained, tmp_path)
+def _lose_node1(work: Path) -> None:
     shutil.rmtree(work / "node1")  # node 1 is replaced: its local storage is gone
-    out = spawn(resume, 4, str(work), 2, 2)
+
+
+def _lose_both(work: Path) -> None:
+    shutil.rmtree(work / "node0")
+    shutil.rmtree(work / "node1")
+
+
+def _lose_node1_and_step7_replicas(work: Path) -> None:
+    """Step 7's replicas on node 0 are gone (as if the job died while they
+    were sent) and node 1 is lost: step 7 cannot be assembled, step 6 can."""
+    shutil.rmtree(work / "node1")
+    for key in os.listdir(work / "node0" / "step-7"):
+        for p in ("rank-2-of-4", "rank-3-of-4"):
+            shutil.rmtree(work / "node0" / "step-7" / key / p)
+
+
+#: scenario -> (what happens to the run's folders, steps saved after the resume)
+SCENARIOS = {"intact": (None, 0), "lost node": (_lose_node1, 2), "both lost": (_lose_both, 0),
+             "partly replicated": (_lose_node1_and_step7_replicas, 0)}
+
+
+@pytest.fixture(scope="module")
+def resumed(trained, tmp_path_factory):
+    """Each scenario's copy of the run, resumed by 4 ranks (one job)."""
+    runs = []
+    for name, (damage, more) in SCENARIOS.items():
+        work = tmp_path_factory.mktemp("scenario") / "run"
+        shutil.copytree(trained, work, symlinks=True)
+        if damage is not None:
+            damage(work)
+        runs.append((str(work), 2, more))
+    out = spawn(resume_each, 4, runs)
+    return {name: [out[r][i] for r in range(4)] for i, name in enumerate(SCENARIOS)}
+
+
+@pytest.mark.dist
+def test_lost_node_resumes_from_replicas(resumed):
+    out = resumed["lost node"]
     assert [o["step"] for o in out] == [7] * 4
     assert all(o["tier"] == "replica" for o in out), out
     # the replaced node holds its ranks' pieces again, and the run goes on
@@ -180,31 +224,20 @@ def test_lost_node_resumes_from_replicas(trained, tmp_path):
 
 
 @pytest.mark.dist
-def test_intact_nodes_resume_locally(trained, tmp_path):
-    work = _copy(trained, tmp_path)
-    out = spawn(resume, 4, str(work), 2)
+def test_intact_nodes_resume_locally(resumed):
+    out = resumed["intact"]
     assert [(o["step"], o["tier"]) for o in out] == [(7, "local")] * 4
 
 
 @pytest.mark.dist
-def test_both_partners_lost_resume_from_the_persistent_tier(trained, tmp_path):
-    work = _copy(trained, tmp_path)
-    shutil.rmtree(work / "node0")
-    shutil.rmtree(work / "node1")
-    out = spawn(resume, 4, str(work), 2)
+def test_both_partners_lost_resume_from_the_persistent_tier(resumed):
+    out = resumed["both lost"]
     assert [(o["step"], o["tier"]) for o in out] == [(5, "persistent")] * 4
 
 
 @pytest.mark.dist
-def test_partly_replicated_step_is_not_chosen(trained, tmp_path):
-    """Step 7's replicas on node 0 are gone (as if the job died while they
-    were sent) and node 1 is lost: step 7 cannot be assembled, step 6 can."""
-    work = _copy(trained, tmp_path)
-    shutil.rmtree(work / "node1")
-    for key in os.listdir(work / "node0" / "step-7"):
-        for p in ("rank-2-of-4", "rank-3-of-4"):
-            shutil.rmtree(work / "node0" / "step-7" / key / p)
-    out = spawn(resume, 4, str(work), 2)
+def test_partly_replicated_step_is_not_chosen(resumed):
+    out = resumed["partly replicated"]
     assert [(o["step"], o["tier"]) for o in out] == [(6, "replica")] * 4
     assert 7 not in out[0]["local_steps"]  # a run never resumes onto it later
 
