@@ -31,10 +31,10 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from . import _C, _locks, _metadata
-from ._files import _fsync_dir, read_regular
+from ._files import _fsync_dir, open_regular, read_regular
 from .errors import CorruptCheckpointError
 
 STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
@@ -150,13 +150,23 @@ def piece_bytes(piece: Path) -> int:
 _MAX_FILE = 1 << 46
 
 
+def _close_maps(maps: list) -> None:
+    """Unmap; a mapping a tensor still exports (a send in flight) is freed
+    with the tensor instead."""
+    for mm in maps:
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+
+
 class Outgoing:
     """A committed piece's files, mapped for sending; ``index`` is what the
     receiver checks them by.  Close it (or use ``with``) after the sends."""
 
     def __init__(self, piece: Path) -> None:
         import mmap
-        from ._files import open_regular
         self.maps: list = []
         self.index: list = []
         names = sorted(n for n in os.listdir(piece) if _FILE_RE.match(n))
@@ -181,12 +191,7 @@ class Outgoing:
         return self.maps
 
     def close(self) -> None:
-        for mm in self.maps:
-            if mm is not None:
-                try:
-                    mm.close()
-                except BufferError:  # a send still holds it: freed with it
-                    pass
+        _close_maps(self.maps)
         self.maps = []
 
     def __enter__(self) -> "Outgoing":
@@ -276,12 +281,7 @@ class Incoming:
             _fsync_dir(self.dest.parent)
 
     def _release(self) -> None:
-        for mm in self.maps:
-            if mm is not None:
-                try:
-                    mm.close()
-                except BufferError:
-                    pass
+        _close_maps(self.maps)
         for fd in self.fds:
             os.close(fd)
         self.maps, self.fds = [], []
@@ -365,7 +365,6 @@ def write_records(piece: Path, md: Any, keys: list, out: Any, out_name: str) -> 
     for rel, ks in by_file.items():
         if "/" in rel or rel.startswith(".") or not _FILE_RE.match(rel):
             raise CorruptCheckpointError(f"{piece}: its metadata names the data file {rel!r}")
-        from ._files import open_regular
         fd = open_regular(Path(piece) / rel)
         try:
             for k in sorted(ks, key=lambda k: md.storage_data[k].offset):
