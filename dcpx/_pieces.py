@@ -35,14 +35,14 @@ from typing import Any, Optional
 
 from . import _C, _locks, _metadata
 from ._files import _fsync_dir, open_regular, read_regular
+from ._steps import DELETING_PREFIX, STEP_RE
 from .errors import CorruptCheckpointError
 
-STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
 KEY_RE = re.compile(r"^r[0-9a-f]{1,32}-s[0-9]{1,18}$")
 PIECE_RE = re.compile(r"^rank-(0|[1-9][0-9]*)-of-([1-9][0-9]*)$")
 _FILE_RE = re.compile(r"^(\.metadata|__\d+_[0-9a-f_]+\.distcp|__\d+_\d+\.distcp)$")
 _INCOMING = ".incoming-"
-_DELETING = ".deleting-"
+_DELETING = DELETING_PREFIX
 #: records start at this alignment in a data file (docs/format.md)
 _ALIGN = 64
 

@@ -62,6 +62,9 @@ __all__ = ["FileSystemWriter", "FileSystemReader", "LazyItem"]
 # _reader): a pickled writer (PROCESS checkpointing) stays loadable.
 FileSystemWriter.__module__ = FileSystemReader.__module__ = LazyItem.__module__ = __name__
 
+# A run's step folders (dcpx.CheckpointManager, its tier, dcpx ls).
+from ._steps import DELETING_PREFIX, STEP_RE, info_mtime, local_step, step_dir  # noqa: E402,F401
+
 # The node-local tier's files (pieces, and the persistent step assembled
 # from them): dcpx.tiers moves them between ranks, dcpx._pieces writes them.
 from . import _pieces as pieces  # noqa: E402,F401
