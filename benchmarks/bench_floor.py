@@ -52,7 +52,8 @@ import bench_io  # noqa: E402
 from bench_load import limit_files, read_limit  # noqa: E402
 
 import dcpx  # noqa: E402
-from dcpx import _C, _metadata, _readplan  # noqa: E402
+from dcpx import _C, _readplan  # noqa: E402
+from dcpx.formats import metadata as _metadata
 
 _SCRUB = torch.empty(256 << 20, dtype=torch.uint8)
 

@@ -61,7 +61,7 @@ def metadata(sd, repeat):
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from dcpx import _metadata
+    from dcpx.formats import metadata as _metadata
     from dcpx._gc import paused_gc
     d = tempfile.mkdtemp()
     try:

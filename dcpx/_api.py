@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from . import _dist, _guard, _locks, _plan, _planner_state, _torchcompat
 from ._bc import positional_storage
-from ._files import LOCAL_PROTOCOLS, url_protocol
+from .formats.files import LOCAL_PROTOCOLS, url_protocol
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._guard import check_not_bootstrapping  # noqa: F401  (also CheckpointManager's)

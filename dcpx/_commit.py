@@ -26,7 +26,9 @@ from typing import Any, Optional, Protocol
 from torch.distributed.checkpoint.metadata import Metadata
 
 from . import _locks
-from ._files import METADATA_FN, _DATA_FILE, _RANK_METADATA, _TAGGED_DATA_FILE, _TMP_METADATA, _fsync_dir
+from .formats.files import (
+    METADATA_FN, _DATA_FILE, _RANK_METADATA, _TAGGED_DATA_FILE, _TMP_METADATA, _fsync_dir,
+)
 from .errors import CheckpointError
 
 

@@ -50,11 +50,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _chunks, _metadata, _plan, _readplan
-from ._files import DCP_VERSION, disagreeing_paths
+from .formats import chunks as _chunks, metadata as _metadata
+from . import _plan, _readplan
+from .formats.files import DCP_VERSION, disagreeing_paths
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
-from ._legacy import legacy_layout
+from .formats.legacy import legacy_layout
 from ._pending import _Entry, tensor_payload
 from ._plan import (  # noqa: F401 (the planner's names, as before)
     GlobalPlan,

@@ -24,8 +24,10 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import _C
-from ._values import warn_if_refused
-from ._dtypes import _TO_DLPACK, _needs_int_view, dlpack_export, dlpack_view, storage_type_name
+from .formats.values import warn_if_refused
+from .formats.dtypes import (
+    _TO_DLPACK, _needs_int_view, dlpack_export, dlpack_view, storage_type_name,
+)
 
 
 class WritingTo(Protocol):
@@ -156,7 +158,7 @@ class _Entry(NamedTuple):
     payload: Any          # bytes, or (tensor, storage_type)
     nbytes: int
     # SAFETENSORS: a tensor's (dtype, shape) for the file's header
-    # (dcpx._fmt_safetensors); None otherwise
+    # (dcpx.formats.safetensors); None otherwise
     meta: Any = None
 
 

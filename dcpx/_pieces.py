@@ -33,8 +33,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from . import _C, _locks, _metadata
-from ._files import _fsync_dir, open_regular, read_regular
+from . import _C, _locks
+from .formats import metadata as _metadata
+from .formats.files import _fsync_dir, open_regular, read_regular
 from ._steps import DELETING_PREFIX, STEP_RE
 from .errors import CorruptCheckpointError
 

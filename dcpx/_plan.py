@@ -40,8 +40,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _C, _metadata
-from ._files import DCP_VERSION
+from . import _C
+from .formats import metadata as _metadata
+from .formats.files import DCP_VERSION
 from ._pending import (
     _DIRECT,
     _TO_DLPACK,
@@ -357,7 +358,7 @@ class SavePlan(NamedTuple):
     groups: list                # per data file: item indices
     mappings: dict              # the planner_data it was made with
     in_order: bool              # one data file with every item in order
-    encoded: list               # [None] or [(layout, middle)]: dcpx._metadata.Splice
+    encoded: list               # [None] or [(layout, middle)]: dcpx.formats.metadata.Splice
 
 
 # (writer's file configuration, keys) -> SavePlan; the most recent first out
@@ -422,7 +423,7 @@ class LocalSave(NamedTuple):
 
     def metadata(self) -> Metadata:
         """The save's Metadata; leaves the writer a hint for encoding it
-        (dcpx._metadata.Splice): its plan's last encoding, if the layout
+        (dcpx.formats.metadata.Splice): its plan's last encoding, if the layout
         is the same."""
         plan, pending, names = self.plan, self.pending, self.names
         layout = pending.layout

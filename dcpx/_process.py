@@ -138,7 +138,7 @@ class _Worker:
             raise result
         if status == "ok-encoded":  # .metadata bytes: dcpx's decoder, not pickle's
             from ._gc import paused_gc
-            from ._metadata import loads
+            from .formats.metadata import loads
             with paused_gc():  # ~5 objects per tensor, none in a cycle
                 return loads(result, str(writer.path))
         return result
@@ -618,7 +618,7 @@ def _encoded(metadata) -> Optional[bytes]:
     int keys.  None: the reply pickles the Metadata."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ._metadata import dumps
+    from .formats.metadata import dumps
     if type(metadata) is not Metadata or not all(
             type(p) in (str, int) for path in (metadata.planner_data or {}).values()
             for p in path):

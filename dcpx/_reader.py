@@ -26,12 +26,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from . import _C, _fmt_transforms, _formats, _metadata, _values
-from ._byteorder import archive_byteorder, swap_untyped
-from ._chunks import tiling_problem
-from ._fmt_safetensors import is_raw
-from ._dtypes import _TO_DLPACK, dlpack_view, storage_type_name
-from ._files import _check_dir, local_path, open_regular, read_regular, special_file_error
+from . import _C
+from .formats import (
+    transforms as _fmt_transforms, entries as _entries, metadata as _metadata, values as _values,
+)
+from .formats.byteorder import archive_byteorder, swap_untyped
+from .formats.chunks import tiling_problem
+from .formats.safetensors import is_raw
+from .formats.dtypes import _TO_DLPACK, dlpack_view, storage_type_name
+from .formats.files import _check_dir, local_path, open_regular, read_regular, special_file_error
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedFormatError
 
 
@@ -178,7 +181,7 @@ class FileSystemReader(StorageReader):
         self.thread_count = thread_count or min(4, os.cpu_count() or 1)
         self.verify = verify
         self.allow_pickle = allow_pickle
-        # torch's ExtensionRegistry (stream transforms: dcpx._fmt_transforms)
+        # torch's ExtensionRegistry (stream transforms: dcpx.formats.transforms)
         self._extension_registry = _extension_registry
         self.storage_data: dict = {}
         self.load_id = str(uuid.uuid4())
@@ -239,8 +242,8 @@ class FileSystemReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
                               *args: Any, **kwargs: Any) -> None:
         self._validate_storage(metadata)
-        # SAFETENSORS entries resolved to the tensors' bytes (dcpx._formats)
-        self._set_up_checked(_formats.resolve(self.path, metadata), kwargs.get("rank"),
+        # SAFETENSORS entries resolved to the tensors' bytes (dcpx.formats.entries)
+        self._set_up_checked(_entries.resolve(self.path, metadata), kwargs.get("rank"),
                              kwargs.get("use_collectives", True))
 
     def _set_up_checked(self, metadata: Metadata, rank: Optional[int],
@@ -434,7 +437,7 @@ class FileSystemReader(StorageReader):
             mine = {i: v for i, v in storage.items() if getattr(i, "fqn", None) == fqn}
             mine_md = Metadata(state_dict_metadata=sdm_all, storage_data=mine)
             self._validate_storage(mine_md)
-            storage = _formats.resolve(self.path, mine_md).storage_data  # SAFETENSORS entries
+            storage = _entries.resolve(self.path, mine_md).storage_data  # SAFETENSORS entries
         sdm = sdm_all[fqn]
         if not isinstance(sdm, TensorStorageMetadata):
             info = storage.get(MetadataIndex(fqn))
@@ -477,7 +480,7 @@ class FileSystemReader(StorageReader):
     def read_bytes(self, key: str, info: _StorageInfo, check: bool = True) -> Any:
         """The raw bytes of a bytes item, after checking (unless ``check`` is
         False or allow_pickle is set) that they unpickle under the allow-list
-        (dcpx._values; ``load_value`` reads and unpickles in one pass)."""
+        (dcpx.formats.values; ``load_value`` reads and unpickles in one pass)."""
         path = self.path / info.relative_path
         data = self.read_record(key, info)
         if self.verify:
@@ -488,7 +491,7 @@ class FileSystemReader(StorageReader):
 
     def load_value(self, key: str, info: _StorageInfo) -> Any:
         """A non-tensor value, read, CRC-checked and unpickled once: under
-        the allow-list of code-free types (dcpx._values, docs/api.md), or
+        the allow-list of code-free types (dcpx.formats.values, docs/api.md), or
         with full pickle if the reader was built with allow_pickle=True."""
         data = self.read_bytes(key, info, check=False)
         return _values.loads(data, f"{self.path / info.relative_path}: key {key!r}",

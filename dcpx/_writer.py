@@ -21,8 +21,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _commit, _fmt_safetensors, _fmt_transforms, _locks, _metadata
-from ._files import DCP_VERSION, _check_dir, disagreeing_paths, local_path
+from . import _commit, _locks
+from .formats import (
+    safetensors as _fmt_safetensors, transforms as _fmt_transforms, metadata as _metadata,
+)
+from .formats.files import DCP_VERSION, _check_dir, disagreeing_paths, local_path
 from ._pending import (
     LazyItem,
     PendingWrite,
@@ -95,8 +98,8 @@ class FileSystemWriter(StorageWriter):
         fmt = getattr(serialization_format, "value", serialization_format) or "torch_save"
         if fmt not in ("torch_save", "safetensors"):
             raise ValueError(f"dcpx: unknown serialization_format {serialization_format!r}")
-        # torch's stream transforms (dcpx._fmt_transforms) and SAFETENSORS
-        # data files (dcpx._fmt_safetensors); both are written through
+        # torch's stream transforms (dcpx.formats.transforms) and SAFETENSORS
+        # data files (dcpx.formats.safetensors); both are written through
         # write_entries, by torch's save path (fast_path_eligible is False)
         self._extensions = _fmt_transforms.check_extensions(_extensions)
         self._safetensors = fmt == "safetensors"
@@ -219,7 +222,7 @@ class FileSystemWriter(StorageWriter):
     def _tensor_entry(self, index: MetadataIndex, t: torch.Tensor) -> _Entry:
         """A tensor's entry in this writer's format: a TORCH_SAVE archive by
         the C writer; the tensor's raw bytes in a SAFETENSORS file (meta:
-        dtype and shape for the header; dcpx._fmt_safetensors); or the
+        dtype and shape for the header; dcpx.formats.safetensors); or the
         ``torch.save`` archive through the stream transforms."""
         fqn = index.fqn
         nbytes = t.numel() * t.element_size()
@@ -408,7 +411,7 @@ class FileSystemWriter(StorageWriter):
 
     def encode_metadata(self, metadata: Metadata) -> bytes:
         # A single-process save's hint for reusing the last save's encoding
-        # (dcpx._metadata.Splice), if it left one for this metadata.
+        # (dcpx.formats.metadata.Splice), if it left one for this metadata.
         splice, self._splice = getattr(self, "_splice", None), None
         return _metadata.dumps(metadata, splice)
 

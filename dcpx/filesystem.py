@@ -14,10 +14,10 @@ through them (docs/design.md, "Python modules"):
 * ``dcpx._writer``: ``FileSystemWriter``;
 * ``dcpx._commit``: the atomic commit and cleanup;
 * ``dcpx._reader``: ``FileSystemReader``;
-* ``dcpx._files``: file names, paths and opening checkpoint files.
+* ``dcpx.formats.files``: file names, paths and opening checkpoint files.
 """
 from ._commit import commit  # noqa: F401
-from ._files import (  # noqa: F401
+from .formats.files import (  # noqa: F401
     _DATA_FILE,
     _TAGGED_DATA_FILE,
     _TMP_METADATA,
@@ -47,9 +47,11 @@ from ._pending import (  # noqa: F401
     tensor_payload,
     value_payload,
 )
-from ._byteorder import archive_byteorder, swap_untyped, tensors_within  # noqa: F401  (the CLI's torch.save source)
+from .formats.byteorder import (
+    archive_byteorder, swap_untyped, tensors_within,
+)  # noqa: F401  (the CLI's torch.save source)
 from ._flatten import flatten_state_dict  # noqa: F401  (the CLI reads torch.save files by it)
-from ._fmt_safetensors import is_raw  # noqa: F401  (a SAFETENSORS tensor's resolved entry)
+from .formats.safetensors import is_raw  # noqa: F401  (a SAFETENSORS tensor's resolved entry)
 from ._reader import FileSystemReader, check_castable, check_zip_crcs  # noqa: F401
 from ._torchcompat import (  # noqa: F401  (convert's torch.save writer)
     torch_file_writer, torch_save_alignment, torch_save_header)

@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _fmt_safetensors, _metadata
+from .formats import safetensors as _fmt_safetensors, metadata as _metadata
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .filesystem import (
     FileSystemReader,
@@ -418,7 +418,7 @@ class FsspecReader(StorageReader):
                 # local space and memory a load needs are bounded, not the
                 # size of what it loads.
                 # The local reader's entries are resolved (a SAFETENSORS
-                # tensor's to its own bytes, dcpx._formats): fetch those.
+                # tensor's to its own bytes, dcpx.formats.entries): fetch those.
                 resolved = local.storage_data
                 for items in self._turns(plan.items):
                     touched = self._fetch(tmp, [resolved[r.storage_index] for r in items])
@@ -473,7 +473,7 @@ class FsspecReader(StorageReader):
     def _fetch_safetensors_headers(self, tmp: str) -> None:
         """The headers of the SAFETENSORS blobs the metadata may hold (its
         u64 length, then the JSON), fetched before the local reader is set
-        up: it recognises and checks the format there (dcpx._formats).  At
+        up: it recognises and checks the format there (dcpx.formats.entries).  At
         most 100 MB a header (safetensors' own limit); a longer or truncated
         one is reported by the local reader."""
         blobs = _fmt_safetensors.candidates(self._metadata) if self._metadata else set()

@@ -46,7 +46,7 @@ from typing import Any, Optional
 import torch
 
 from . import _C
-from ._dtypes import _TO_DLPACK, dlpack_export, dlpack_view
+from .formats.dtypes import _TO_DLPACK, dlpack_export, dlpack_view
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._pending import check_saveable, staged_payload, value_payload

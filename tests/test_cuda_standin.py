@@ -1298,7 +1298,7 @@ def _wait_for(cond, what: str) -> None:
 
 
 def _gated_job(tmp_path, buf, offs, sizes, gate, keys):
-    from dcpx._dtypes import dlpack_export, dlpack_view
+    from dcpx.formats.dtypes import dlpack_export, dlpack_view
     files = []
     for k, o, n in zip(keys, offs, sizes):
         item = (dlpack_export(dlpack_view(buf[o:o + n])), "ByteStorage", gate)

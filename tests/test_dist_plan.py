@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpx import _dist, _metadata
+from dcpx import _dist
+from dcpx.formats import metadata as _metadata
 from dcpx.errors import CheckpointError
 
 

@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as tdcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 import dcpx
-from dcpx import _metadata, _readplan
+from dcpx.formats import metadata as _metadata
+from dcpx import _readplan
 from dcpx.errors import CorruptCheckpointError
 
 from conftest import assert_bit_equal, fast_writer, flip_byte, locate

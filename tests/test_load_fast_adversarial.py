@@ -22,7 +22,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import dcpx
-from dcpx import _metadata, _readplan
+from dcpx.formats import metadata as _metadata
+from dcpx import _readplan
 from dcpx.errors import CorruptCheckpointError
 
 from conftest import assert_bit_equal, flip_byte, locate, torch_save_supports

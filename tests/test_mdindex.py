@@ -1,4 +1,4 @@
-"""The C decoder of .metadata files (csrc/mdindex.c, dcpx._metadata.index)
+"""The C decoder of .metadata files (csrc/mdindex.c, dcpx.formats.metadata.index)
 and the load path built on it (dcpx._readplan: _indexed, _indexed_plan).
 
 The decoder may leave any file to the general path (torch's Unpickler under
@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import dcpx
-from dcpx import _C, _metadata, _readplan
+from dcpx import _C, _readplan
+from dcpx.formats import metadata as _metadata
 from dcpx.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 from conftest import assert_bit_equal

@@ -856,7 +856,7 @@ def test_reused_metadata_across_frame_sizes_and_path_lengths(tmp_path, klen, n):
     counts, so that the middle ends at various places relative to a frame,
     saved into paths of different lengths with one and three files; each
     .metadata is decoded by the C index (no fallback) and by pickle."""
-    from dcpx import _metadata
+    from dcpx.formats import metadata as _metadata
     sd = {("k" * klen + f"{i:05d}"): (torch.full((2,), float(i)) if i % 3 else i)
           for i in range(n)}
     for threads in (1, 3):

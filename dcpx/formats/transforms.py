@@ -21,8 +21,8 @@ import io
 import struct
 from typing import Any, Optional, Sequence
 
-from . import _C
-from .errors import CorruptCheckpointError, UnsupportedFormatError
+from .. import _C
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
 
 _SKIP_MAGIC = 0x184D2A5D
 _TRAILER = struct.pack("<II", _SKIP_MAGIC, 8) + b"DCPX"

@@ -29,8 +29,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ._files import open_regular
-from .errors import CorruptCheckpointError
+from .files import open_regular
+from ..errors import CorruptCheckpointError
 
 #: safetensors dtype names, in the order of safetensors' ``Dtype`` enum
 #: (its writer lays tensors out by this order, descending, then by name).

@@ -3,8 +3,8 @@ entries as the readers read them.  One module per format:
 
 * TORCH_SAVE records (a ``torch.save`` zip per item): csrc/reader.c,
   ``_reader.check_zip_crcs``;
-* SAFETENSORS data files: ``dcpx._fmt_safetensors``;
-* stream transforms (``_extensions``, ZStandard): ``dcpx._fmt_transforms``.
+* SAFETENSORS data files: ``dcpx.formats.safetensors``;
+* stream transforms (``_extensions``, ZStandard): ``dcpx.formats.transforms``.
 
 ``resolve`` maps a checkpoint's metadata to the storage entries the readers
 use: a safetensors tensor entry (torch records the blob's start and the
@@ -20,9 +20,9 @@ from typing import Sequence
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import _fmt_safetensors as st
-from ._files import open_regular
-from .errors import CorruptCheckpointError
+from . import safetensors as st
+from .files import open_regular
+from ..errors import CorruptCheckpointError
 
 _EOCD = b"PK\x05\x06"
 
