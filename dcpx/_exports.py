@@ -31,8 +31,8 @@ from torch.distributed.checkpoint import (
 )
 
 from . import _C
-from ._api import load, save
-from ._async import AsyncCheckpointerType, AsyncSaveResponse, async_save
+from .api.save_load import load, save
+from .api.async_save import AsyncCheckpointerType, AsyncSaveResponse, async_save
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -42,7 +42,7 @@ from .errors import (
 from .filesystem import FileSystemReader, FileSystemWriter
 from .manager import CheckpointManager
 from .staging import DefaultStager, StagingOptions, release_staging_buffers
-from ._compat import load_state_dict, save_state_dict, torch_public_names
+from .api.compat import load_state_dict, save_state_dict, torch_public_names
 # dcpx's own fsspec storage (fsspec itself is imported on first use): where
 # an installed torch exports FsspecWriter / FsspecReader at the top level,
 # ``dcpx.FsspecWriter`` must still be dcpx's (C writer, CRCs, commit last),

@@ -4,7 +4,7 @@ protocols, backed by dcpx's C core (the public home of both, as
 
 They plug into torch's own ``dcp.save`` / ``dcp.load`` machinery (process
 groups, DTensor planners, resharding), and dcpx's own planner
-(``dcpx._api``, ``dcpx.coordination.dist``) calls the same pieces directly.
+(``dcpx.api.save_load``, ``dcpx.coordination.dist``) calls the same pieces directly.
 
 The code lives in one module per concern, in the order a tensor passes
 through them (docs/design.md, "Python modules"):

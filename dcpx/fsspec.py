@@ -3,7 +3,7 @@
 torch's ``torch.distributed.checkpoint._fsspec_filesystem``.
 
 ``dcpx.save`` / ``load`` / ``async_save`` pick these for a ``checkpoint_id``
-that is a URL of a protocol other than ``file://`` (``dcpx._api._storage_for``,
+that is a URL of a protocol other than ``file://`` (``dcpx.api.save_load._storage_for``,
 as torch's ``_storage_setup``).  Checkpoints are interchangeable with torch's
 FsspecWriter / FsspecReader on the same URL, both ways.
 

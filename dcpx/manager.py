@@ -29,9 +29,9 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from ._api import load as _load, save as _save
-from ._async import AsyncCheckpointerType, async_save as _async_save
-from ._api import check_not_bootstrapping, wrap_state_dict
+from .api.save_load import load as _load, save as _save
+from .api.async_save import AsyncCheckpointerType, async_save as _async_save
+from .api.save_load import check_not_bootstrapping, wrap_state_dict
 from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .tiers import LocalTier
 from .filesystem import (  # noqa: F401  (DELETING_PREFIX, STEP_RE: the manager's names too)

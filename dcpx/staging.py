@@ -262,7 +262,7 @@ class _Layout:
     def description(self) -> list:
         """``[(key, offset, dtype name, shape, requires_grad)]`` of the staged
         tensors, what the checkpoint process needs to find them in the shared
-        buffer (dcpx/_process.py); built once per layout."""
+        buffer (dcpx/api/process.py); built once per layout."""
         if self._description is None:
             self._description = [(k, self.offsets[k], str(v.dtype).removeprefix("torch."),
                                   tuple(v.shape), v.requires_grad) for k, v in self.dst.items()]

@@ -40,8 +40,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ._api import load as _load, save as _save
-from ._async import async_save as _async_save
+from .api.save_load import load as _load, save as _save
+from .api.async_save import async_save as _async_save
 from .errors import CheckpointError
 from .filesystem import local_path, pieces
 

@@ -294,14 +294,14 @@ def _wrap(owner, attr: str, before, after=None) -> None:
 
 
 def _install_dcpx_points(point: _Points) -> None:
-    import dcpx._api
+    import dcpx.api.save_load
     import dcpx.filesystem as fs
 
     def at(name, where=None):
         return lambda args: point(f"{name}:{where(args)}" if where else name)
 
     writer_dir = lambda args: _label(Path(args[0].path).name)  # noqa: E731
-    _wrap(dcpx._api, "plan_local_save", at("plan", writer_dir), at("planned", writer_dir))
+    _wrap(dcpx.api.save_load, "plan_local_save", at("plan", writer_dir), at("planned", writer_dir))
     job_dir = lambda args: _label(Path(args[0].writer.path).name)  # noqa: E731
     _wrap(fs.PendingWrite, "start", at("write-start", job_dir))
     _wrap(fs.PendingWrite, "wait", at("write-wait", job_dir), at("written", job_dir))
@@ -436,7 +436,7 @@ def zygote_main() -> None:
     import torch  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import dcpx  # noqa: F401
-    import dcpx._process  # noqa: F401
+    import dcpx.api.process  # noqa: F401
     _real_write(1, b"Z ready\n")
     stdin = os.fdopen(0, "r")
     for line in stdin:

@@ -40,7 +40,7 @@ import traceback
 import torch
 
 import dcpx
-import dcpx._process
+import dcpx.api.process
 from dcpx import _C
 
 CHILD_TIMEOUT = 90  # s: the whole child, under a loaded CI machine
@@ -242,7 +242,7 @@ def run(scenario: str, root: str) -> None:
         upload_of(dcpx.async_save(sd, storage_writer=writer(f"{root}/p0"),
                                   async_checkpointer_type=kind, async_stager=stager)
                   ).result(timeout=WAIT)
-        worker = dcpx._process._worker.proc.pid
+        worker = dcpx.api.process._worker.proc.pid
         fork_and_check(root, stager, f"{root}/p0", base, process=True)
         mutate(sd)
         want = snapshot(sd)
@@ -250,7 +250,7 @@ def run(scenario: str, root: str) -> None:
                                   async_checkpointer_type=kind, async_stager=stager)
                   ).result(timeout=WAIT)
         check(f"{root}/p1", want, "parent: PROCESS save after the fork")
-        assert dcpx._process._worker.proc.pid == worker, \
+        assert dcpx.api.process._worker.proc.pid == worker, \
             "the parent's checkpoint process was replaced: the child's exit stopped it"
         stager.close()
         return

@@ -11,7 +11,7 @@ What a caller of ``dcpx.async_save`` may rely on, and what these tests pin:
 * **Snapshot semantics.**  Once staging completed, the caller may change its
   tensors (and its plain Python values): the checkpoint holds the values of
   the call, bit for bit, whether read back with dcpx or with torch.
-* **In-flight policy** (dcpx/_async.py docstring): uploads run one at a time
+* **In-flight policy** (dcpx/api/async_save.py docstring): uploads run one at a time
   in call order; a second save with the same stager waits for the upload
   that still reads the stager's buffer.
 * **Errors** surface on the future that failed, name the path, leave no
@@ -56,8 +56,8 @@ TorchAsyncCheckpointerType = getattr(_torch_saver, "AsyncCheckpointerType", None
 TorchAsyncSaveResponse = getattr(_torch_saver, "AsyncSaveResponse", None)
 
 import dcpx
-import dcpx._async
-import dcpx._process
+import dcpx.api.async_save
+import dcpx.api.process
 import dcpx.staging
 from conftest import pid_gone, torch_save_supports
 
@@ -266,9 +266,9 @@ def _uploads_held(monkeypatch, kind):
     checkpoint directory names in the order their uploads finished."""
     gate, finished = threading.Event(), []
     if kind == THREAD:
-        owner, name, writer_arg = dcpx._async, "_upload", 2   # _upload(staged, stager, writer, ...)
+        owner, name, writer_arg = dcpx.api.async_save, "_upload", 2   # _upload(staged, stager, writer, ...)
     else:
-        owner, name, writer_arg = dcpx._process._Worker, "run", 3  # run(self, staged, stager, writer)
+        owner, name, writer_arg = dcpx.api.process._Worker, "run", 3  # run(self, staged, stager, writer)
     real = getattr(owner, name)
 
     def held(*args, **kwargs):
@@ -732,7 +732,7 @@ def _save_after_the_checkpoint_process_died(tmp_path, monkeypatch):
     sd = {"w": torch.arange(1000.0)}
     dcpx.async_save(sd, checkpoint_id=tmp_path / "before",
                     async_checkpointer_type=PROCESS).result(timeout=TIMEOUT)
-    worker = dcpx._process._worker
+    worker = dcpx.api.process._worker
     with _uploads_held(monkeypatch, PROCESS) as (gate, _):
         r = dcpx.async_save(sd, checkpoint_id=tmp_path / "lost", async_checkpointer_type=PROCESS)
         worker.proc.kill()
@@ -784,7 +784,7 @@ _EXIT_CHILD = textwrap.dedent(r"""
         stager = dcpx.DefaultStager(dcpx.StagingOptions(use_async_staging=True))
         pending.append(dcpx.async_save(sd, storage_writer=writer(kind, "over"),
                                        async_checkpointer_type=ck, async_stager=stager))
-    print("worker", dcpx._process._worker.proc.pid, flush=True)
+    print("worker", dcpx.api.process._worker.proc.pid, flush=True)
     if how == "hard":
         os._exit(0)             # no exit handlers, no waiting
     for r in pending:
@@ -835,7 +835,7 @@ def test_exit_with_a_save_in_flight_never_leaves_a_wrong_checkpoint(tmp_path_fac
     try:
         got = _load_dcpx(d / "fresh", template)
     except dcpx.IncompleteCheckpointError:
-        assert how == "hard", "sys.exit must finish the queued saves (dcpx/_async.py)"
+        assert how == "hard", "sys.exit must finish the queued saves (dcpx/api/async_save.py)"
         assert not (d / "fresh" / ".metadata").exists()
     else:
         _assert_same(got, new, "fresh")

@@ -359,7 +359,7 @@ def test_import_dcpx_is_lazy_and_complete():
         "assert 'torch' not in sys.modules\n"
         "save = dcpx.save\n"
         "import torch.distributed.checkpoint as tdcp\n"
-        "from dcpx._compat import torch_public_names\n"
+        "from dcpx.api.compat import torch_public_names\n"
         "assert set(torch_public_names()) <= set(dcpx.__all__)\n"
         "assert all(hasattr(dcpx, n) for n in dcpx.__all__)\n"
         "assert dcpx.FileSystemWriter.__module__.startswith('dcpx')\n"

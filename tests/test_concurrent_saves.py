@@ -391,7 +391,7 @@ _ORPHAN_PARENT = textwrap.dedent("""
     PROCESS = dcpx.AsyncCheckpointerType.PROCESS
     dcpx.async_save({"w": torch.ones(3)}, checkpoint_id=d + ".warm",
                     async_checkpointer_type=PROCESS).result(timeout=120)
-    print(json.dumps({"worker": dcpx._process._worker.proc.pid}), flush=True)
+    print(json.dumps({"worker": dcpx.api.process._worker.proc.pid}), flush=True)
     sys.stdin.readline()   # go
     big = state(7, tensors=64, numel=1 << 18)   # 64 MiB, a file per tensor, fsync'd
     r = dcpx.async_save(big, storage_writer=dcpx.FileSystemWriter(

@@ -10,7 +10,7 @@ import time
 import torch
 
 import dcpx
-from dcpx import _async
+from dcpx.api import async_save as _async
 
 
 def _hold_uploads() -> threading.Event:

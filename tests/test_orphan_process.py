@@ -52,7 +52,7 @@ NUMEL = 1 << 16
 _P1 = textwrap.dedent("""
     import json, os, signal, sys, time
     import torch
-    import dcpx, dcpx._process
+    import dcpx, dcpx.api.process
     from dcpx.staging import DefaultStager, StagingOptions
 
     def gen(g, tensors):
@@ -62,13 +62,13 @@ _P1 = textwrap.dedent("""
     if __name__ == "__main__":
         d, delay = sys.argv[1], sys.argv[2]
         dcpx.save(gen(1, 4), checkpoint_id=d)
-        assert dcpx._process._worker is None  # the call below spawns it
+        assert dcpx.api.process._worker is None  # the call below spawns it
         stager = DefaultStager(StagingOptions(use_async_staging=True, use_shared_memory=True))
         r = dcpx.async_save(gen(2, 24), storage_writer=dcpx.FileSystemWriter(d, sync_files=True),
                             async_checkpointer_type=dcpx.AsyncCheckpointerType.PROCESS,
                             async_stager=stager)
         r.staging_completion.result(timeout=120)
-        print(json.dumps({"worker": dcpx._process._worker.proc.pid}), flush=True)
+        print(json.dumps({"worker": dcpx.api.process._worker.proc.pid}), flush=True)
         if delay == "committed":
             r.upload_completion.result(timeout=120)
         else:

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as tdcp
 
 import dcpx
 from conftest import assert_state_bit_equal, empty_like_state, fast_writer, resolved
-from dcpx import _api
+from dcpx.api import save_load as _api
 from dcpx.coordination import dist as _dist
 
 

@@ -94,7 +94,7 @@ def _check_loads(path: str, renamed: bool) -> None:
 ])
 def test_process_upload_with_any_writer_and_planner(tmp_path, monkeypatch, writer, planner,
                                                    stager):
-    from dcpx import _process
+    from dcpx.api import process as _process
     sent = []
     send_buffer = _process._Worker._send_buffer
     monkeypatch.setattr(_process._Worker, "_send_buffer",

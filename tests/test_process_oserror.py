@@ -4,7 +4,7 @@ itself, reported by the checkpoint process or met in this one) is raised
 at once, as it is; only a broken pipe (EOFError, BrokenPipeError,
 ConnectionError) or a dead process waits for the process to end, to tell
 whether it stopped because the main script ran again in it
-(dcpx/_process.py, ``_Worker._raise_if_unguarded``)."""
+(dcpx/api/process.py, ``_Worker._raise_if_unguarded``)."""
 from __future__ import annotations
 
 import errno
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dcpx
-from dcpx import _process
+from dcpx.api import process as _process
 
 PROCESS = dcpx.AsyncCheckpointerType.PROCESS
 

@@ -1,5 +1,5 @@
 """AsyncCheckpointerType.PROCESS with a state dict staged into shared memory
-(dcpx/_process.py): the layout's description and mappings cross the pipe
+(dcpx/api/process.py): the layout's description and mappings cross the pipe
 once per layout, the checkpoint process keeps its views of the buffer and
 their upload plan (``_StagedViews``), and the committed metadata comes back
 as its .metadata bytes.  Every checkpoint loads bit-exact, with the
@@ -13,7 +13,7 @@ import torch
 import torch.distributed.checkpoint as tdcp
 
 import dcpx
-from dcpx import _process
+from dcpx.api import process as _process
 
 PROCESS = dcpx.AsyncCheckpointerType.PROCESS
 

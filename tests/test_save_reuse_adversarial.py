@@ -985,10 +985,10 @@ def test_one_writer_object_reset_by_a_sync_save_while_an_upload_waits(tmp_path):
     over the sync save's checkpoint, and ``a`` was never made)."""
     import threading
 
-    import dcpx._async
+    import dcpx.api.async_save
     writer = dcpx.FileSystemWriter(tmp_path / "unused", sync_files=False)
     held = threading.Event()
-    blocker = dcpx._async._uploader().submit(held.wait)
+    blocker = dcpx.api.async_save._uploader().submit(held.wait)
     try:
         a = {"w": torch.ones(2)}
         b = {"w": torch.zeros(3)}

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict_saver import (
     _save_state_dict as _torch_save_state_dict,
 )
 
-from ._api import is_stateful, load, save
+from .save_load import is_stateful, load, save
 
 __all__ = ["save_state_dict", "load_state_dict", "torch_public_names"]
 

@@ -32,23 +32,24 @@ from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .coordination import dist as _dist, plan as _plan, planner_state as _planner_state
-from . import _guard, _torchcompat
-from .storage import locks as _locks
-from ._bc import positional_storage
-from .formats.files import LOCAL_PROTOCOLS, url_protocol
-from .coordination.flatten import flatten_state_dict
-from .coordination.gcpause import paused_gc
-from ._guard import check_not_bootstrapping  # noqa: F401  (also CheckpointManager's)
-from .storage.pending import tensor_payload
-from .coordination.plan import plan_local_save
-from .coordination.stateful import (  # noqa: F401  (wrap_state_dict: CheckpointManager's, dcpx.manager)
+from ..coordination import dist as _dist, plan as _plan, planner_state as _planner_state
+from . import guard as _guard
+from .. import _torchcompat
+from ..storage import locks as _locks
+from .bc import positional_storage
+from ..formats.files import LOCAL_PROTOCOLS, url_protocol
+from ..coordination.flatten import flatten_state_dict
+from ..coordination.gcpause import paused_gc
+from .guard import check_not_bootstrapping  # noqa: F401  (also CheckpointManager's)
+from ..storage.pending import tensor_payload
+from ..coordination.plan import plan_local_save
+from ..coordination.stateful import (  # noqa: F401  (wrap_state_dict: CheckpointManager's, dcpx.manager)
     _NEVER_STATEFUL, _stateful_to_state_dict, is_stateful, wrap_state_dict)
-from .storage.reader import FileSystemReader
-from ._torchcompat import NO_DIST_WARNING, any_checkpointable_tensor, torch_kwargs
-from .coordination.unasked import warn_unloaded
-from .storage.writer import FileSystemWriter
-from .errors import checkpoint_errors
+from ..storage.reader import FileSystemReader
+from .._torchcompat import NO_DIST_WARNING, any_checkpointable_tensor, torch_kwargs
+from ..coordination.unasked import warn_unloaded
+from ..storage.writer import FileSystemWriter
+from ..errors import checkpoint_errors
 
 
 __all__ = ["save", "load"]
@@ -89,7 +90,7 @@ def _storage_for(storage, checkpoint_id, reader: bool):
         proto = url_protocol(checkpoint_id)
         if proto is None or proto in LOCAL_PROTOCOLS:
             return (FileSystemReader if reader else FileSystemWriter)(checkpoint_id)
-        from .fsspec import FsspecReader, FsspecWriter
+        from ..fsspec import FsspecReader, FsspecWriter
         return (FsspecReader if reader else FsspecWriter)(checkpoint_id)
     if checkpoint_id is not None:
         storage.reset(checkpoint_id)

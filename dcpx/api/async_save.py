@@ -34,10 +34,10 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .coordination import dist as _dist
-from . import _guard
-from .storage import locks as _locks
-from ._api import (
+from ..coordination import dist as _dist
+from . import guard as _guard
+from ..storage import locks as _locks
+from .save_load import (
     _dist_in_use,
     _stateful_to_state_dict,
     _writer_for,
@@ -49,18 +49,18 @@ from ._api import (
     save,
     save_local,
 )
-from .coordination.flatten import flatten_state_dict
-from .coordination.gcpause import paused_gc
-from .storage.pending import staged_payload
-from ._torchcompat import HAS_CHECKPOINTABLE_TENSOR, is_checkpointable_tensor
-from .storage.writer import FileSystemWriter
-from .errors import CheckpointError, checkpoint_future, staging_error
-from .staging import DefaultStager
-from .staging import _pool as _staging_pool
+from ..coordination.flatten import flatten_state_dict
+from ..coordination.gcpause import paused_gc
+from ..storage.pending import staged_payload
+from .._torchcompat import HAS_CHECKPOINTABLE_TENSOR, is_checkpointable_tensor
+from ..storage.writer import FileSystemWriter
+from ..errors import CheckpointError, checkpoint_future, staging_error
+from ..staging import DefaultStager
+from ..staging import _pool as _staging_pool
 
 
 # the classes users may isinstance-check against: torch's where it has them
-from ._torchcompat import AsyncCheckpointerType, AsyncSaveResponse
+from .._torchcompat import AsyncCheckpointerType, AsyncSaveResponse
 
 __all__ = ["async_save", "AsyncCheckpointerType", "AsyncSaveResponse"]
 
@@ -297,7 +297,7 @@ def async_save(
                 args = (_locks.gate(staged if start is None else start, turn), async_stager, writer, planner, process_group,
                         no_dist, use_collectives)
                 if process:
-                    from ._process import submit_process_upload
+                    from .process import submit_process_upload
                     upload = submit_process_upload(*args)
                 else:
                     upload = _uploader().submit(_locks.run_holding, key, _upload, *args)

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from . import _guard
+from . import guard as _guard
 
 
 _lock = threading.Lock()
@@ -79,7 +79,7 @@ class _Worker:
         """Whether ``e`` says the pipe to the process broke (an EOFError,
         BrokenPipeError or ConnectionError, or any error once the process is
         gone); if so, the process is given 5 s to end and, if it stopped
-        because the main script ran again in it (dcpx/_guard.py), that is
+        because the main script ran again in it (dcpx/api/guard.py), that is
         raised.  Any other OSError (ENOSPC, a path the save cannot make:
         the process still alive) returns False at once, for the caller to
         raise as it is."""
@@ -105,8 +105,8 @@ class _Worker:
             raise
 
     def _run(self, staged, stager, writer) -> Any:
-        from .errors import staging_error
-        from .staging import DefaultStager
+        from ..errors import staging_error
+        from ..staging import DefaultStager
         if isinstance(staged, Future):
             try:
                 staged = staged.result()
@@ -137,8 +137,8 @@ class _Worker:
                 self.sent_layouts.pop(layout.buffer.serial, None)
             raise result
         if status == "ok-encoded":  # .metadata bytes: dcpx's decoder, not pickle's
-            from .coordination.gcpause import paused_gc
-            from .formats.metadata import loads
+            from ..coordination.gcpause import paused_gc
+            from ..formats.metadata import loads
             with paused_gc():  # ~5 objects per tensor, none in a cycle
                 return loads(result, str(writer.path))
         return result
@@ -167,10 +167,10 @@ class _Worker:
         """A multi-process save: this process coordinates with the other
         ranks (on the upload thread, over async_save's own group) and the
         checkpoint process writes this rank's data files."""
-        from .coordination import dist as _dist
-        from ._api import dist_path_state
-        from .errors import staging_error
-        from .staging import DefaultStager
+        from ..coordination import dist as _dist
+        from .save_load import dist_path_state
+        from ..errors import staging_error
+        from ..staging import DefaultStager
         if isinstance(group, _dist.AsyncTicket):
             with group.turn() as pg:
                 return self.run_dist(staged, stager, writer, pg, use_collectives)
@@ -254,8 +254,8 @@ class _Worker:
         to the checkpoint process (pickled), which runs the whole save.  A
         state dict staged into dcpx's shared memory is sent as its layout
         (the worker maps the same pages); any other one by value."""
-        from .errors import staging_error
-        from .staging import DefaultStager
+        from ..errors import staging_error
+        from ..staging import DefaultStager
         if isinstance(staged, Future):
             try:
                 staged = staged.result()
@@ -272,7 +272,7 @@ class _Worker:
                             sorted(self.sent_buffers))
         else:
             payload = staged
-        from .storage.writer import FileSystemWriter
+        from ..storage.writer import FileSystemWriter
         # dcpx's writer commits in the checkpoint process: the same orphan
         # check as the fast path's (_orphan_check).
         committed = writer._committed_id() if isinstance(writer, FileSystemWriter) else False
@@ -287,9 +287,9 @@ class _Worker:
         writer's ``write_data`` runs in the checkpoint process, which gets
         the writer, this rank's plan and the planner (holding the staged
         state dict) pickled, as torch's checkpoint process gets them."""
-        from .coordination import dist as _dist
-        from ._api import save
-        from .errors import staging_error
+        from ..coordination import dist as _dist
+        from .save_load import save
+        from ..errors import staging_error
         if isinstance(group, _dist.AsyncTicket):
             with group.turn() as pg:
                 return self.run_torch_dist(staged, writer, planner, pg, use_collectives)
@@ -329,8 +329,8 @@ class _Worker:
 
 def submit_process_upload(staged, stager, writer, planner, process_group, no_dist,
                           use_collectives) -> Future:
-    from ._api import _dist_in_use, dist_path_eligible, fast_path_eligible
-    from .storage.writer import FileSystemWriter
+    from .save_load import _dist_in_use, dist_path_eligible, fast_path_eligible
+    from ..storage.writer import FileSystemWriter
     distributed = _dist_in_use(no_dist)
     eligible = (dist_path_eligible(writer, planner, no_dist) if distributed
                 else fast_path_eligible(writer, planner, no_dist))
@@ -493,7 +493,7 @@ def _abandon_if_orphaned(writer, parent: int) -> None:
 
 def _writer_from(config: dict, parent: int):
     """The FileSystemWriter a request describes."""
-    from .storage.writer import FileSystemWriter
+    from ..storage.writer import FileSystemWriter
     config = dict(config)
     committed = config.pop("committed", False)
     writer = FileSystemWriter(**config)
@@ -503,7 +503,7 @@ def _writer_from(config: dict, parent: int):
 
 
 def _worker_main(conn, parent: int) -> None:
-    from ._api import save
+    from .save_load import save
     _guard.worker_running = True  # dcpx calls from here on are the worker's own
     buffers: dict[int, torch.Tensor] = {}
     layouts: dict[int, _StagedViews] = {}  # per buffer serial: its staged layout
@@ -584,7 +584,7 @@ class _StagedViews:
     saves of that layout."""
 
     def __init__(self, serial: int, base: torch.Tensor, tensors: list) -> None:
-        from .staging import UploadScan
+        from ..staging import UploadScan
         self.serial = serial
         self.base = base
         self.views: dict = {}
@@ -599,9 +599,9 @@ class _StagedViews:
         self.scan = UploadScan()
 
     def save(self, writer, values: dict):
-        from ._api import save_local
-        from .coordination.gcpause import paused_gc
-        from .storage.pending import staged_payload
+        from .save_load import save_local
+        from ..coordination.gcpause import paused_gc
+        from ..storage.pending import staged_payload
         flat = dict(values)  # the values first, then the tensors, as before
         flat.update(self.views)
         with paused_gc():
@@ -618,7 +618,7 @@ def _encoded(metadata) -> Optional[bytes]:
     int keys.  None: the reply pickles the Metadata."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from .formats.metadata import dumps
+    from ..formats.metadata import dumps
     if type(metadata) is not Metadata or not all(
             type(p) in (str, int) for path in (metadata.planner_data or {}).values()
             for p in path):
@@ -629,8 +629,8 @@ def _encoded(metadata) -> Optional[bytes]:
 def _write_entries(writer, base: Optional[torch.Tensor], prefix: str, tensors, others):
     """Write a rank's entries: tensors as views of the shared buffer, the
     rest (bytes, tensors sent by value) as they came."""
-    from .coordination.dist import write_files
-    from .storage.pending import _Entry, staged_payload
+    from ..coordination.dist import write_files
+    from ..storage.pending import _Entry, staged_payload
     entries = []
     for index, offset, dtype, shape in tensors:
         t = _view_of(base, offset, dtype, shape)
@@ -652,9 +652,9 @@ def _torch_request(msg: tuple, buffers: dict, parent: int) -> Any:
         return writer.write_data(plan, planner).wait()
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
-    from ._api import save
+    from .save_load import save
     _, writer, planner, use_collectives, staged, committed = msg
-    from .storage.writer import FileSystemWriter
+    from ..storage.writer import FileSystemWriter
     if isinstance(writer, FileSystemWriter) and committed is not False:
         writer._commit_check = lambda w: _orphan_check(parent, committed, w)
     elif not isinstance(writer, FileSystemWriter):
