@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent / "dcpx"
 #: The layers, top first: (name, the modules in it).  A module is named by
 #: its dotted path; a name ending in ``.*`` stands for a package's modules.
 LAYERS = [
-    ("face", ["dcpx", "dcpx.__main__", "dcpx._exports"]),
+    ("face", ["dcpx", "dcpx.__main__", "dcpx._exports", "dcpx.tiers"]),
     ("manager", ["dcpx.manager", "dcpx.manager.*"]),
     ("cli", ["dcpx.cli", "dcpx.cli.*"]),
     ("api", ["dcpx.api.*", "dcpx.staging", "dcpx.filesystem", "dcpx.fsspec"]),

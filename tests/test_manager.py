@@ -188,7 +188,7 @@ def test_retention_spares_all_when_newest_unreadable(tmp_path):
 
 def test_retention_failure_is_a_warning(tmp_path, monkeypatch):
     """A deletion that fails (here: the rename) warns; saves and loads go on."""
-    from dcpx import manager as mgr
+    from dcpx.manager import checkpoint_manager as mgr
 
     def refuse(self, name):
         raise PermissionError(13, "Permission denied", name)
@@ -333,7 +333,7 @@ def test_retention_gives_folder_back_to_save_that_locked_it_meanwhile(tmp_path, 
     """A save that takes its lock between the pass's check and its rename:
     the pass sees the lock held in the renamed folder and renames it back."""
     from dcpx.storage import locks as _locks
-    from dcpx import manager as mgr
+    from dcpx.manager import checkpoint_manager as mgr
 
     with CheckpointManager(tmp_path, async_mode="sync") as m:
         for s in (1, 2):
@@ -589,7 +589,7 @@ def test_random_kills_never_leave_zero_loadable_steps(tmp_path):
 
 def _two_ranks(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
-    from dcpx import manager as mgr
+    from dcpx.manager import checkpoint_manager as mgr
 
     hidden = []
     orig = mgr._LocalRoot.hide

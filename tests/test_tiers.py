@@ -473,14 +473,14 @@ def test_local_tier_full_is_a_clear_error(tmp_path, monkeypatch):
 def test_local_tier_enospc_is_a_clear_error(tmp_path, monkeypatch):
     import errno
     m = _single(tmp_path, async_mode="sync")
-    real = dcpx.tiers._save
+    real = dcpx.manager.tiers._save
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "local"))
-    monkeypatch.setattr(dcpx.tiers, "_save", full)
+    monkeypatch.setattr(dcpx.manager.tiers, "_save", full)
     with pytest.raises(LocalTierFullError, match="is full"):
         m.save(1, state(0, 1, 1))
-    monkeypatch.setattr(dcpx.tiers, "_save", real)
+    monkeypatch.setattr(dcpx.manager.tiers, "_save", real)
     m.close()
 
 

@@ -29,12 +29,12 @@ from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
 
-from .api.save_load import load as _load, save as _save
-from .api.async_save import AsyncCheckpointerType, async_save as _async_save
-from .api.save_load import check_not_bootstrapping, wrap_state_dict
-from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..api.save_load import load as _load, save as _save
+from ..api.async_save import AsyncCheckpointerType, async_save as _async_save
+from ..api.save_load import check_not_bootstrapping, wrap_state_dict
+from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from .tiers import LocalTier
-from .filesystem import (  # noqa: F401  (DELETING_PREFIX, STEP_RE: the manager's names too)
+from ..filesystem import (  # noqa: F401  (DELETING_PREFIX, STEP_RE: the manager's names too)
     DELETING_PREFIX,
     STEP_RE,
     DEAD,
@@ -154,7 +154,7 @@ class StepSkippedWarning(UserWarning):
 def _verify_checkpoint():
     """The CLI's ``verify`` (every record's CRC-32, every value), shared:
     the manager's full check is exactly what ``dcpx verify`` reports."""
-    from .cli.verify import verify_checkpoint
+    from ..cli.verify import verify_checkpoint
     return verify_checkpoint
 
 
@@ -293,7 +293,7 @@ class _FsspecRoot:
     stops being committed at once), then the rest."""
 
     def __init__(self, root: str, options: dict, reader_options: Optional[dict] = None) -> None:
-        from .fsspec import url_to_fs
+        from ..fsspec import url_to_fs
         self.url = root.rstrip("/")
         self.options = options
         self.reader_options = dict(reader_options or {})
@@ -346,11 +346,11 @@ class _FsspecRoot:
             pass
 
     def reader(self, name: str):
-        from .fsspec import FsspecReader
+        from ..fsspec import FsspecReader
         return FsspecReader(self.checkpoint_id(name), **self.reader_options, **self.options)
 
     def writer(self, name: str):
-        from .fsspec import FsspecWriter
+        from ..fsspec import FsspecWriter
         return FsspecWriter(self.checkpoint_id(name), **self.options)
 
     def write_file(self, name: str, fname: str, data: bytes) -> None:
@@ -1102,7 +1102,7 @@ class CheckpointManager:
         elif not self._root.committed(step_dir(step)):
             raise CheckpointError(f"dcpx.CheckpointManager.export: {step_dir(step)} under "
                                   f"{self.root} is not a committed step")
-        from .cli.convert import convert
+        from ..cli.convert import convert
         out = os.fspath(dest)
         if not out.endswith(".safetensors") and max_shard_size is None:
             os.makedirs(out, exist_ok=True)
