@@ -40,7 +40,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .filesystem import FileSystemReader, FileSystemWriter
-from .manager import CheckpointManager
+from .manager.checkpoint_manager import CheckpointManager
 from .staging import DefaultStager, StagingOptions, release_staging_buffers
 from .api.compat import load_state_dict, save_state_dict, torch_public_names
 # dcpx's own fsspec storage (fsspec itself is imported on first use): where

@@ -68,5 +68,5 @@ FileSystemWriter.__module__ = FileSystemReader.__module__ = LazyItem.__module__ 
 from .storage.steps import DELETING_PREFIX, STEP_RE, info_mtime, local_step, step_dir  # noqa: E402,F401
 
 # The node-local tier's files (pieces, and the persistent step assembled
-# from them): dcpx.tiers moves them between ranks, dcpx.storage.pieces writes them.
+# from them): dcpx.manager.tiers moves them between ranks, dcpx.storage.pieces writes them.
 from .storage import pieces  # noqa: E402,F401

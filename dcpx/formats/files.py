@@ -10,13 +10,12 @@ import stat
 from pathlib import Path
 from typing import Optional, Union
 
-from . import metadata as _metadata
 from ..errors import CorruptCheckpointError
 
 
 DCP_VERSION = "1.0.0"
 #: the file whose presence commits a checkpoint (torch's ``.metadata``)
-METADATA_FN = _metadata.METADATA_FN
+METADATA_FN = ".metadata"
 _DATA_FILE = re.compile(r"^__\d+_.*\.distcp$")
 _TMP_METADATA = re.compile(r"^(__\d+)?\.metadata\.tmp")
 _RANK_METADATA = re.compile(r"^__\d+\.metadata$")  # a use_collectives=False save's
@@ -113,6 +112,12 @@ def url_protocol(checkpoint_id: Union[str, os.PathLike]) -> Optional[str]:
     if "://" not in s:
         return None
     return s.split("://", 1)[0]
+
+
+def validate_checkpoint_id(checkpoint_id: Union[str, os.PathLike]) -> bool:
+    """torch's ``FileSystemWriter`` / ``FileSystemReader.validate_checkpoint_id``:
+    a Path, or a string that is not a URL."""
+    return isinstance(checkpoint_id, Path) or "://" not in str(checkpoint_id)
 
 
 def local_path(path: Union[str, os.PathLike]) -> Path:

@@ -32,8 +32,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from .. import _C
 from .._torchcompat import METADATA_FIELDS
 from ..errors import CorruptCheckpointError, UnsafeCheckpointError
-
-METADATA_FN = ".metadata"
+from .files import METADATA_FN  # noqa: F401  (the file this module reads and writes)
 _TRAILER_MAGIC = b"DCPXMD1\0"
 _TRAILER = struct.Struct("<8sIQ")
 

@@ -20,7 +20,7 @@ independent and holds its own CRC-32s) into one file per rank, and the
 merged ``.metadata`` -- the chunks of every rank, a chunk that several ranks
 hold (a replicated tensor) written once -- commits it, as torch's planner
 deduplicates a save.  This module touches files only; the collectives that
-move pieces and metadata between ranks are dcpx.tiers'.
+move pieces and metadata between ranks are dcpx.manager.tiers'.
 """
 from __future__ import annotations
 

@@ -34,7 +34,10 @@ from ..formats.byteorder import archive_byteorder, swap_untyped
 from ..formats.chunks import tiling_problem
 from ..formats.safetensors import is_raw
 from ..formats.dtypes import _TO_DLPACK, dlpack_view, storage_type_name
-from ..formats.files import _check_dir, local_path, open_regular, read_regular, special_file_error
+from ..formats.files import (
+    _check_dir, local_path, open_regular, read_regular, special_file_error,
+    validate_checkpoint_id,
+)
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedFormatError
 
 
@@ -329,8 +332,7 @@ class FileSystemReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        from .writer import FileSystemWriter
-        return FileSystemWriter.validate_checkpoint_id(checkpoint_id)
+        return validate_checkpoint_id(checkpoint_id)
 
     # -- dcpx's pieces ----------------------------------------------------
     def _validate_storage(self, metadata: Metadata) -> None:

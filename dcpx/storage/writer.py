@@ -25,7 +25,9 @@ from . import commit as _commit, locks as _locks
 from ..formats import (
     safetensors as _fmt_safetensors, transforms as _fmt_transforms, metadata as _metadata,
 )
-from ..formats.files import DCP_VERSION, _check_dir, disagreeing_paths, local_path
+from ..formats.files import (
+    DCP_VERSION, _check_dir, disagreeing_paths, local_path, validate_checkpoint_id,
+)
 from .pending import (
     LazyItem,
     PendingWrite,
@@ -199,11 +201,7 @@ class FileSystemWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        if isinstance(checkpoint_id, Path):
-            return True
-        if "://" in str(checkpoint_id):
-            return False
-        return True
+        return validate_checkpoint_id(checkpoint_id)
 
     # -- dcpx's pieces ----------------------------------------------------
     def plain_format(self) -> bool:
