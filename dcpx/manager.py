@@ -29,11 +29,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ._api import load as _load, save as _save
 from ._async import AsyncCheckpointerType, async_save as _async_save
 from ._api import check_not_bootstrapping, wrap_state_dict
-from .errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+    own_failure,
+)
 from .tiers import LocalTier
 from .filesystem import (
     DEAD,
@@ -947,7 +954,12 @@ class CheckpointManager:
         kind = "ok"
         try:
             _load(state_dict, **kw)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # torch's is a BaseException
+            if not isinstance(e, Exception):
+                e = own_failure(e, dist.get_rank(self.process_group) if self._dist() else 0,
+                                kw.get("checkpoint_id") or _step_dir(step))
+                if not isinstance(e, Exception):
+                    raise
             err = e
             kind = _fault(e)
             if _is_unsafe(e):
