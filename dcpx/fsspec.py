@@ -76,6 +76,29 @@ _TEMP_BUDGET = 256 << 20
 #: A save's local staging space, per data record, on top of its bytes
 #: (the record's zip headers and pickle, alignment).
 _RECORD_OVERHEAD = 4 << 10
+#: What names one version of an object in a store's listing, strongest
+#: first: a version id (GCS generation, S3 VersionId on a versioned
+#: bucket), else the ETag (S3, Azure, GCS), else a time (local mtime, S3
+#: LastModified, memory:// created).  A load pins each data file to the
+#: first of these its listing gives, with its size (``_stamp``).
+_VERSION_KEYS = (("generation", "VersionId", "version_id"), ("ETag", "etag"),
+                 ("mtime", "LastModified", "last_modified", "modified", "updated", "created"))
+
+
+def _stamp(entry: dict) -> tuple:
+    """(size, field, value): the version of an object that an fsspec
+    listing entry names (size alone where the store gives nothing else)."""
+    for group in _VERSION_KEYS:
+        for key in group:
+            value = entry.get(key)
+            if value is not None:
+                return (entry.get("size"), key, str(value))
+    return (entry.get("size"), None, None)
+
+
+def _describe(stamp: tuple) -> str:
+    size, key, value = stamp
+    return f"{size} bytes" + (f", {key} {value}" if key else "")
 
 
 def url_to_fs(url: Union[str, os.PathLike], options: dict) -> tuple:
@@ -162,6 +185,17 @@ class _Store:
             return _metadata.loads(self.fs.cat_file(self.join(name)), self.where(name))
         except (FileNotFoundError, CheckpointError):
             return None
+
+    def listing(self) -> dict:
+        """{name: fsspec entry} of the files directly under the root, listed
+        now (the store's listing cache dropped first); {} when the root does
+        not exist."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries}
 
     def remove(self, names) -> None:
         """Best effort: never let cleanup hide the error that caused it."""
@@ -357,11 +391,17 @@ class FsspecReader(StorageReader):
         self.is_coordinator = True
         self._metadata: Optional[Metadata] = None
         self._sizes: dict[str, int] = {}
+        # each data file's version when the load began (_stamp), re-checked
+        # at each turn; the listing read_metadata took before .metadata
+        self._pins: dict[str, tuple] = {}
+        self._listing: Optional[dict] = None
 
     # -- StorageReader protocol ------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         self.storage_data = {}
         self._metadata = None
+        self._listing = None
+        self._pins = {}
         if checkpoint_id:
             self.store = _Store(checkpoint_id, self.store.options)
             self.path = self.store.url
@@ -371,7 +411,11 @@ class FsspecReader(StorageReader):
         rank = kwargs.get("rank")
         name = _metadata.METADATA_FN if rank is None else f"__{rank}{_metadata.METADATA_FN}"
         store = self.store
-        store.fs.invalidate_cache(store.root)  # a listing cached before the save
+        # The data files' versions are pinned from a listing taken before
+        # .metadata is read (a listing cached before the save is dropped):
+        # a data file rewritten in place after this is refused at the next
+        # turn (_check_pins), not read as part of this checkpoint.
+        self._listing = store.listing()
         try:
             data = store.fs.cat_file(store.join(name))
         except FileNotFoundError:
@@ -408,7 +452,7 @@ class FsspecReader(StorageReader):
         assert self._metadata is not None, "set_up_storage_reader was not called"
         with tempfile.TemporaryDirectory(prefix="dcpx-fsspec-") as tmp:
             self._sparse_files(tmp)
-            self._fetch_safetensors_headers(tmp)
+            self._check_pins(self._fetch_safetensors_headers(tmp))
             local = FileSystemReader(tmp, thread_count=self.thread_count, verify=self.verify,
                                      allow_pickle=self.allow_pickle)
             try:
@@ -422,6 +466,7 @@ class FsspecReader(StorageReader):
                 resolved = local.storage_data
                 for items in self._turns(plan.items):
                     touched = self._fetch(tmp, [resolved[r.storage_index] for r in items])
+                    self._check_pins(touched)  # what was fetched is the pinned version
                     local.read_data(dataclasses.replace(plan, items=items), planner).wait()
                     self._free(tmp, touched)
             except (CheckpointError, OSError) as e:
@@ -452,17 +497,44 @@ class FsspecReader(StorageReader):
                     f"{self.path}: metadata names data file {rel!r} outside the "
                     f"checkpoint directory (refused)")
             names.add(rel)
-        listing = {}
-        for entry in store.fs.ls(store.root, detail=True):
-            listing[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = entry.get("size")
-        sizes = {}
+        listing = self._listing if self._listing is not None else store.listing()
+        self._listing = None  # a later load of this reader lists again
+        sizes, pins = {}, {}
         for rel in names:
-            size = listing.get(rel)
+            entry = listing.get(rel)
+            size = None if entry is None else entry.get("size")
             if size is None:
                 raise CorruptCheckpointError(
                     f"{self.path}: data file {rel} is missing ({store.where(rel)})")
             sizes[rel] = int(size)
+            pins[rel] = _stamp(entry)
+        self._pins = pins
         return sizes
+
+    def _check_pins(self, names) -> None:
+        """Refuse the load when a data file in ``names`` is no longer the
+        version it was when the load began (size and version id / ETag /
+        time, as the store's listing gives them): another save rewrote it
+        in place (torch's FsspecWriter reuses ``__0_0.distcp``) or removed
+        it, and what this load read would mix two saves, every record's
+        CRC valid.  One listing of the checkpoint's directory per call."""
+        names = sorted(n for n in names if n in self._pins)
+        if not names:
+            return
+        listing = self.store.listing()
+        for rel in names:
+            entry = listing.get(rel)
+            now = None if entry is None else _stamp(entry)
+            if now == self._pins[rel]:
+                continue
+            was = _describe(self._pins[rel])
+            got = "it is gone" if now is None else f"now {_describe(now)}"
+            raise CorruptCheckpointError(
+                f"{self.store.where(rel)}: data file {rel} changed while it was being "
+                f"loaded ({was} when the load began, {got}): another save rewrote or "
+                f"removed it (torch's FsspecWriter rewrites its data files in place), so "
+                f"what was read could mix two saves; the load is refused: load again once "
+                f"the save has finished")
 
     def _sparse_files(self, tmp: str) -> None:
         """Every data file as a local sparse file of its size (no space)."""
@@ -470,24 +542,27 @@ class FsspecReader(StorageReader):
             with open(os.path.join(tmp, rel), "wb") as f:
                 f.truncate(size)
 
-    def _fetch_safetensors_headers(self, tmp: str) -> None:
+    def _fetch_safetensors_headers(self, tmp: str) -> set:
         """The headers of the SAFETENSORS blobs the metadata may hold (its
         u64 length, then the JSON), fetched before the local reader is set
         up: it recognises and checks the format there (dcpx._formats).  At
         most 100 MB a header (safetensors' own limit); a longer or truncated
         one is reported by the local reader."""
         blobs = _fmt_safetensors.candidates(self._metadata) if self._metadata else set()
+        fetched = set()
         for rel, off in sorted(blobs):
             size = self._sizes.get(rel, 0)
             if not isinstance(off, int) or off < 0 or off + 8 > size:
                 continue
             self._fetch_batch(tmp, [(rel, off, off + 8)])
+            fetched.add(rel)
             with open(os.path.join(tmp, rel), "rb") as f:
                 f.seek(off)
                 n = int.from_bytes(f.read(8), "little")
             end = min(off + 8 + min(n, _fmt_safetensors.MAX_HEADER), size)
             if end > off + 8:
                 self._fetch_batch(tmp, [(rel, off + 8, end)])
+        return fetched
 
     def _free(self, tmp: str, names) -> None:
         """Give back the space of the ranges fetched into ``names`` (the
@@ -549,11 +624,16 @@ class FsspecReader(StorageReader):
 
     def _fetch_batch(self, tmp: str, batch: list) -> None:
         store = self.store
-        datas = store.fs.cat_ranges([store.join(r) for r, _, _ in batch],
-                                    [s for _, s, _ in batch], [e for _, _, e in batch],
-                                    on_error="raise")
+        try:
+            datas = store.fs.cat_ranges([store.join(r) for r, _, _ in batch],
+                                        [s for _, s, _ in batch], [e for _, _, e in batch],
+                                        on_error="raise")
+        except FileNotFoundError:
+            self._check_pins({r for r, _, _ in batch})  # removed by another save
+            raise
         for (rel, start, end), data in zip(batch, datas):
             if len(data) != end - start:
+                self._check_pins({rel})
                 raise CorruptCheckpointError(
                     f"{store.where(rel)}: read {len(data)} of the {end - start} bytes at "
                     f"offset {start} (the file is shorter than its listing: changed "
