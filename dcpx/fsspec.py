@@ -688,6 +688,8 @@ def _renamed(e: BaseException, tmp: str, url: str) -> BaseException:
         filename = e.filename.replace(tmp, url) if isinstance(e.filename, str) else e.filename
         return type(e)(e.errno, (e.strerror or "").replace(tmp, url), filename)
     try:
-        return type(e)(str(e).replace(tmp, url))
+        new = type(e)(str(e).replace(tmp, url))
     except Exception:
         return e
+    new.__dict__.update({k: v for k, v in e.__dict__.items() if k not in new.__dict__})
+    return new
