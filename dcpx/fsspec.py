@@ -452,12 +452,14 @@ class FsspecReader(StorageReader):
         assert self._metadata is not None, "set_up_storage_reader was not called"
         with tempfile.TemporaryDirectory(prefix="dcpx-fsspec-") as tmp:
             self._sparse_files(tmp)
-            self._check_pins(self._fetch_safetensors_headers(tmp))
+            headers = self._fetch_safetensors_headers(tmp)
+            self._check_pins(headers)
             local = FileSystemReader(tmp, thread_count=self.thread_count, verify=self.verify,
                                      allow_pickle=self.allow_pickle)
             try:
                 local.set_up_storage_reader(self._metadata, self.is_coordinator,
                                             rank=self.rank, use_collectives=self.use_collectives)
+                self._free(tmp, headers)  # parsed: their space goes back
                 # In turns of _TEMP_BUDGET bytes, in the plan's order: the
                 # local space and memory a load needs are bounded, not the
                 # size of what it loads.
@@ -545,23 +547,30 @@ class FsspecReader(StorageReader):
     def _fetch_safetensors_headers(self, tmp: str) -> set:
         """The headers of the SAFETENSORS blobs the metadata may hold (its
         u64 length, then the JSON), fetched before the local reader is set
-        up: it recognises and checks the format there (dcpx._formats).  At
-        most 100 MB a header (safetensors' own limit); a longer or truncated
-        one is reported by the local reader."""
+        up: it recognises and checks the format there (dcpx._formats), and
+        they are freed once it is.  Together at most what the metadata
+        allows them (``_fmt_safetensors.header_budget``): a longer one is
+        not fetched, and the local reader refuses it, as a truncated one.
+        Returns the names of the files written."""
         blobs = _fmt_safetensors.candidates(self._metadata) if self._metadata else set()
+        budget = _fmt_safetensors.header_budget(self._metadata, len(blobs)) if blobs else 0
         fetched = set()
         for rel, off in sorted(blobs):
             size = self._sizes.get(rel, 0)
-            if not isinstance(off, int) or off < 0 or off + 8 > size:
+            if not isinstance(off, int) or off < 0 or off + 9 > size:
                 continue
-            self._fetch_batch(tmp, [(rel, off, off + 8)])
+            self._fetch_batch(tmp, [(rel, off, off + 9)])
             fetched.add(rel)
             with open(os.path.join(tmp, rel), "rb") as f:
                 f.seek(off)
-                n = int.from_bytes(f.read(8), "little")
-            end = min(off + 8 + min(n, _fmt_safetensors.MAX_HEADER), size)
-            if end > off + 8:
-                self._fetch_batch(tmp, [(rel, off + 8, end)])
+                head = f.read(9)
+            n = int.from_bytes(head[:8], "little")
+            if not _fmt_safetensors.looks_like_blob(head) or n > min(
+                    budget, _fmt_safetensors.MAX_HEADER, size - off - 8):
+                continue
+            budget -= n
+            for start in range(off + 9, off + 8 + n, _FETCH_BATCH):
+                self._fetch_batch(tmp, [(rel, start, min(off + 8 + n, start + _FETCH_BATCH))])
         return fetched
 
     def _free(self, tmp: str, names) -> None:
