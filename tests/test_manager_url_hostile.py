@@ -68,3 +68,59 @@ def test_manager_on_memory_root_falls_back_past_damaged_newest_step(mem_root, ho
         assert m.load(sd) == 1
     assert torch.equal(sd["w"], torch.full((64,), 1.0))
     m.close()
+
+
+# ------------------------------------------------------------ item 10
+
+def test_best_k_ranks_a_metric_past_float_range_and_retention_goes_on(tmp_path):
+    """A metric of 10**400 (JSON holds it; float() of it overflows) made every
+    retention pass fail with OverflowError from then on, keeping every step."""
+    m = CheckpointManager(tmp_path, async_mode="sync", keep_latest_k=1, keep_best_k=1,
+                          best_metric="loss", best_mode="min")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")            # a failed retention pass warns
+        m.save(1, {"w": torch.ones(2)}, metadata={"loss": 10 ** 400})
+        m.save(2, {"w": torch.ones(2)}, metadata={"loss": 0.5})
+        m.save(3, {"w": torch.ones(2)}, metadata={"loss": -10 ** 400})
+        m.save(4, {"w": torch.ones(2)}, metadata={"loss": float("inf")})
+        m.save(5, {"w": torch.ones(2)}, metadata={"loss": 0.25})
+        m.wait_for_retention()
+    assert m.best_steps() == [3]
+    assert m.all_steps() == [3, 5]              # the best one and the newest one
+    m.close()
+
+
+def test_user_metadata_past_its_limit_is_refused_at_save(tmp_path):
+    """An 80 MB metadata= was saved, then step_metadata() called it corrupt."""
+    from dcpx import manager as mgr
+    m = CheckpointManager(tmp_path, async_mode="sync")
+    big = {"notes": "x" * (mgr._MAX_USER_METADATA - 5)}
+    with pytest.raises(ValueError, match="holds at most") as e:
+        m.save(1, {"w": torch.ones(2)}, metadata=big)
+    assert str(mgr._MAX_USER_METADATA) in str(e.value)
+    assert m.all_steps() == [] and not (tmp_path / "step-1").exists()   # nothing written
+    ok = {"notes": "x" * (mgr._MAX_USER_METADATA - 20)}                # at the limit: read back
+    m.save(2, {"w": torch.ones(2)}, metadata=ok)
+    assert m.step_metadata(2) == ok
+    m.close()
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_load_from_a_root_that_is_not_there_raises(tmp_path, mem_root, kind):
+    """load(root=<typo>) returned None like a fresh run, and training went on
+    from scratch; a fresh run of the manager's own root still returns None."""
+    base = str(tmp_path) if kind == "local" else mem_root
+    m = CheckpointManager(f"{base}/mine", async_mode="sync")
+    sd = {"w": torch.zeros(2)}
+    assert m.load(sd) is None                    # own root, fresh run: None, no error
+    with pytest.raises(dcpx.IncompleteCheckpointError, match="does not exist") as e:
+        m.load(sd, root=f"{base}/pretrianed")
+    assert isinstance(e.value, FileNotFoundError) and "pretrianed" in str(e.value)
+    other = CheckpointManager(f"{base}/pretrained", async_mode="sync")
+    other.save(7, {"w": torch.ones(2)})
+    assert m.load(sd, root=f"{base}/pretrained") == 7 and torch.equal(sd["w"], torch.ones(2))
+    other.delete(7)
+    with pytest.raises(dcpx.IncompleteCheckpointError, match="holds no committed step"):
+        m.load(sd, root=f"{base}/pretrained")
+    other.close()
+    m.close()
