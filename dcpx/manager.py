@@ -59,7 +59,7 @@ from .filesystem import (
 __all__ = ["CheckpointManager", "StepSkippedWarning"]
 
 #: a step folder: ``step-{N}`` (torchtitan's ``_create_checkpoint_id``)
-STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
+STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)\Z")  # \Z: "$" matches before a final "\n"
 #: a step being deleted (renamed first, so that it is never seen as a step)
 DELETING_PREFIX = ".deleting-"
 _METADATA = METADATA_FN

@@ -7,6 +7,7 @@ number, user metadata is refused at save when it could not be read back,
 and ``load(root=...)`` of a root that is not there says so."""
 from __future__ import annotations
 
+import os
 import uuid
 import warnings
 
@@ -124,3 +125,44 @@ def test_load_from_a_root_that_is_not_there_raises(tmp_path, mem_root, kind):
         m.load(sd, root=f"{base}/pretrained")
     other.close()
     m.close()
+
+
+# ------------------------------------------------------------ item 11 (manager, tier names)
+
+def test_names_with_a_trailing_newline_are_not_steps_pieces_or_files(tmp_path):
+    """``re``'s "$" matches before a final newline: a folder "step-9\\n" was
+    the manager's step 9 (whose checkpoint_id, root/step-9, is another
+    folder), and a piece index could name "__0_0.distcp\\n"."""
+    import shutil
+    from dcpx import _pieces
+    m = CheckpointManager(tmp_path, async_mode="sync")
+    m.save(1, {"w": torch.ones(2)})
+    shutil.copytree(tmp_path / "step-1", tmp_path / "step-9\n")
+    assert m.all_steps() == [1]
+    assert m.load({"w": torch.zeros(2)}) == 1
+    m.close()
+    assert not _pieces.STEP_RE.match("step-9\n")
+    assert not _pieces.KEY_RE.match("r1-s2\n") and not _pieces.PIECE_RE.match("rank-0-of-2\n")
+    index = _pieces.encode_index([[".metadata", 3, 0], ["__0_0.distcp\n", 3, 0]])
+    with pytest.raises(dcpx.CorruptCheckpointError, match="not \\(checkpoint file name"):
+        _pieces.decode_index(index, "peer 1")
+
+
+def test_removing_a_linked_piece_folder_removes_the_link_only(tmp_path):
+    """A piece destination that is a link (to a folder elsewhere): removing
+    it left a ".deleting-" link behind for good (rmtree refuses links, and
+    the debris sweep used rmtree too); what it points to is never touched."""
+    from dcpx import _pieces
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    step = tmp_path / "local" / "step-3" / "r1-s1"
+    step.mkdir(parents=True)
+    (step / "rank-0-of-1").symlink_to(target, target_is_directory=True)
+    _pieces.remove_tree(step / "rank-0-of-1")
+    assert os.listdir(step) == []
+    assert (target / "keep.txt").read_text() == "mine"
+    # debris an earlier version left: swept, link only
+    os.symlink(target, step / ".deleting-rank-0-of-1-0123abcd")
+    _pieces.remove_debris(tmp_path / "local")
+    assert os.listdir(step) == [] and (target / "keep.txt").read_text() == "mine"
