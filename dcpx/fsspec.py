@@ -76,29 +76,50 @@ _TEMP_BUDGET = 256 << 20
 #: A save's local staging space, per data record, on top of its bytes
 #: (the record's zip headers and pickle, alignment).
 _RECORD_OVERHEAD = 4 << 10
-#: What names one version of an object in a store's listing, strongest
-#: first: a version id (GCS generation, S3 VersionId on a versioned
-#: bucket), else the ETag (S3, Azure, GCS), else a time (local mtime, S3
-#: LastModified, memory:// created).  A load pins each data file to the
-#: first of these its listing gives, with its size (``_stamp``).
-_VERSION_KEYS = (("generation", "VersionId", "version_id"), ("ETag", "etag"),
-                 ("mtime", "LastModified", "last_modified", "modified", "updated", "created"))
+#: What names one version of an object in a store's listing or ``info``,
+#: strongest first: a version id (GCS generation, S3 VersionId on a
+#: versioned bucket), the ETag (S3, Azure, GCS), a time (local mtime, S3
+#: LastModified, memory:// created).  A load pins each data file to these
+#: and its size (``_stamp``) and compares the strongest that both the pin
+#: and a later look give (``_same``: S3's listing has no VersionId, and
+#: its LastModified is finer than a HEAD's).
+_VERSION_KEYS = ("generation", "VersionId", "version_id", "ETag", "etag", "mtime",
+                 "LastModified", "last_modified", "modified", "updated", "created")
+#: A turn re-checks up to this many files with one ``info`` each, more with
+#: one listing of the directory.
+_INFO_MAX = 8
 
 
 def _stamp(entry: dict) -> tuple:
-    """(size, field, value): the version of an object that an fsspec
-    listing entry names (size alone where the store gives nothing else)."""
-    for group in _VERSION_KEYS:
-        for key in group:
-            value = entry.get(key)
-            if value is not None:
-                return (entry.get("size"), key, str(value))
-    return (entry.get("size"), None, None)
+    """(size, ((field, value), ...)): an object's version as an fsspec
+    listing or info entry gives it (times as seconds)."""
+    fields = []
+    for key in _VERSION_KEYS:
+        value = entry.get(key)
+        if value is not None:
+            if hasattr(value, "timestamp"):
+                value = value.timestamp()
+            fields.append((key, str(value)))
+    return entry.get("size"), tuple(fields)
 
 
-def _describe(stamp: tuple) -> str:
-    size, key, value = stamp
-    return f"{size} bytes" + (f", {key} {value}" if key else "")
+def _same(pin: tuple, now: tuple) -> bool:
+    """Whether two stamps name one version: the sizes, then the strongest
+    field both have (sizes alone where they share none)."""
+    if pin[0] != now[0]:
+        return False
+    theirs = dict(now[1])
+    for key, value in pin[1]:
+        if key in theirs:
+            return theirs[key] == value
+    return True
+
+
+def _describe(stamp: tuple, other: Optional[tuple] = None) -> str:
+    """A stamp for a message: its size and its field that ``other`` shares."""
+    shared = dict(other[1]) if other is not None else {}
+    field = next(((k, v) for k, v in stamp[1] if other is None or k in shared), None)
+    return f"{stamp[0]} bytes" + (f", {field[0]} {field[1]}" if field else "")
 
 
 def url_to_fs(url: Union[str, os.PathLike], options: dict) -> tuple:
@@ -516,27 +537,39 @@ class FsspecReader(StorageReader):
     def _check_pins(self, names) -> None:
         """Refuse the load when a data file in ``names`` is no longer the
         version it was when the load began (size and version id / ETag /
-        time, as the store's listing gives them): another save rewrote it
-        in place (torch's FsspecWriter reuses ``__0_0.distcp``) or removed
-        it, and what this load read would mix two saves, every record's
-        CRC valid.  One listing of the checkpoint's directory per call."""
+        time, as the store gives them): another save rewrote it in place
+        (torch's FsspecWriter reuses ``__0_0.distcp``) or removed it, and
+        what this load read would mix two saves, every record's CRC valid.
+        One ``info`` per file (a HEAD on S3), or one listing of the
+        directory for more than _INFO_MAX files."""
         names = sorted(n for n in names if n in self._pins)
         if not names:
             return
-        listing = self.store.listing()
+        store = self.store
+        if len(names) > _INFO_MAX:
+            listing = store.listing()
+            entries = {rel: listing.get(rel) for rel in names}
+        else:
+            entries = {}
+            for rel in names:
+                store.fs.invalidate_cache(store.join(rel))
+                try:
+                    entries[rel] = store.fs.info(store.join(rel))
+                except FileNotFoundError:
+                    entries[rel] = None
         for rel in names:
-            entry = listing.get(rel)
+            pin = self._pins[rel]
+            entry = entries[rel]
             now = None if entry is None else _stamp(entry)
-            if now == self._pins[rel]:
+            if now is not None and _same(pin, now):
                 continue
-            was = _describe(self._pins[rel])
-            got = "it is gone" if now is None else f"now {_describe(now)}"
+            got = "it is gone" if now is None else f"now {_describe(now, pin)}"
             raise CorruptCheckpointError(
-                f"{self.store.where(rel)}: data file {rel} changed while it was being "
-                f"loaded ({was} when the load began, {got}): another save rewrote or "
-                f"removed it (torch's FsspecWriter rewrites its data files in place), so "
-                f"what was read could mix two saves; the load is refused: load again once "
-                f"the save has finished")
+                f"{store.where(rel)}: data file {rel} changed while it was being "
+                f"loaded ({_describe(pin, now)} when the load began, {got}): another save "
+                f"rewrote or removed it (torch's FsspecWriter rewrites its data files in "
+                f"place), so what was read could mix two saves; the load is refused: load "
+                f"again once the save has finished")
 
     def _sparse_files(self, tmp: str) -> None:
         """Every data file as a local sparse file of its size (no space)."""

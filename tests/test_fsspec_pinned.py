@@ -86,15 +86,43 @@ def test_dcpx_resave_between_turns_is_refused(mem, monkeypatch):
 
 
 def test_untouched_checkpoint_loads_in_turns(mem, monkeypatch):
-    """The pins cost nothing to a load nobody writes under."""
+    """The pins cost a look per turn (an info per file read), nothing else."""
     tdcp.save(_state(100.0), checkpoint_id=mem)
-    listings = []
-    real = dfs._Store.listing
+    looks = []
+    fs = fsspec.filesystem("memory")
+    real = type(fs).info
 
-    def counted(self):
-        listings.append(1)
-        return real(self)
+    def counted(self, path, **kw):
+        looks.append(path)
+        return real(self, path, **kw)
 
-    monkeypatch.setattr(dfs._Store, "listing", counted)
+    monkeypatch.setattr(type(fs), "info", counted)
     assert rewrite_between_turns(monkeypatch, mem, lambda: None) == [100.0]
-    assert len(listings) >= 3      # one at the start, one per turn
+    assert len(looks) >= 3 and all(p.endswith("__0_0.distcp") for p in looks), looks
+
+
+def test_many_files_are_rechecked_with_one_listing(mem, monkeypatch):
+    """More files in a turn than _INFO_MAX: one listing of the directory."""
+    monkeypatch.setattr(dfs, "_INFO_MAX", 0)
+    tdcp.save(_state(100.0), checkpoint_id=mem)
+    with pytest.raises(dcpx.CorruptCheckpointError, match="changed while it was being loaded"):
+        rewrite_between_turns(monkeypatch, mem,
+                              lambda: tdcp.save(_state(200.0), checkpoint_id=mem))
+
+
+def test_a_version_is_compared_on_what_both_looks_give():
+    """S3's listing has no VersionId and times finer than a HEAD's: the
+    strongest field both give decides (the ETag); sizes always count."""
+    from datetime import datetime, timezone
+    listed = {"size": 10, "ETag": '"abc"', "LastModified": datetime(2026, 1, 1, 0, 0, 0, 123000,
+                                                                    tzinfo=timezone.utc)}
+    head = {"size": 10, "ETag": '"abc"', "VersionId": "v1",
+            "LastModified": datetime(2026, 1, 1, tzinfo=timezone.utc)}
+    assert dfs._same(dfs._stamp(listed), dfs._stamp(head))
+    assert not dfs._same(dfs._stamp(listed), dfs._stamp({**head, "ETag": '"abd"'}))
+    assert not dfs._same(dfs._stamp(listed), dfs._stamp({**head, "size": 11}))
+    # memory://: a timestamp in its listing, a datetime in its info
+    t = datetime(2026, 1, 1, 0, 0, 1, 5, tzinfo=timezone.utc)
+    assert dfs._same(dfs._stamp({"size": 1, "created": t.timestamp()}),
+                     dfs._stamp({"size": 1, "created": t}))
+    assert dfs._same(dfs._stamp({"size": 1}), dfs._stamp({"size": 1, "mtime": 5.0}))
