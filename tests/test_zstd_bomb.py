@@ -143,6 +143,12 @@ _CHILD = textwrap.dedent(r'''
 ''')
 
 
+_NOT_UNDER_ASAN = pytest.mark.skipif(
+    "libasan" in os.environ.get("LD_PRELOAD", ""),
+    reason="under ASan (scripts/sanitizer_env.sh) freed memory sits in the allocator's "
+           "quarantine: RSS says nothing about the inflating (no C path here)")
+
+
 @pytest.fixture(scope="module")
 def measured(cks) -> dict:
     """Every consumer on the intact checkpoint, then on each bomb, in one
@@ -158,6 +164,7 @@ def _grew(measured: dict, bomb: str) -> dict:
     return {k: v[1] - measured["baseline"] for k, v in measured[bomb].items()}
 
 
+@_NOT_UNDER_ASAN
 def test_tensor_record_bomb_is_refused_in_bounded_memory(measured):
     res, grew = measured["tensor_bomb"], _grew(measured, "tensor_bomb")
     assert all(g < GROWTH_MAX for g in grew.values()), (grew, res)
@@ -171,6 +178,7 @@ def test_tensor_record_bomb_is_refused_in_bounded_memory(measured):
     assert res["manager"][0] == 1                  # fell back to the intact step
 
 
+@_NOT_UNDER_ASAN
 def test_value_record_bomb_is_refused_in_bounded_memory(measured):
     res, grew = measured["value_bomb"], _grew(measured, "value_bomb")
     # a value's limit: VALUE_FLOOR (64 MiB) for a record this small
