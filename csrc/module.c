@@ -294,7 +294,7 @@ PyDoc_STRVAR(dump_metadata_doc,
 PyDoc_STRVAR(scan_plain_doc,
              "scan_plain($module, values, expect, direct, dl_dtypes, export, cuda, /)\n--\n\n"
              "(payloads, holes, same): the C writer's payload of each plain CPU "
-             "tensor of values as dcpx._pending._direct_payload makes it, None "
+             "tensor of values as dcpx.storage.pending._direct_payload makes it, None "
              "at the indices in holes (left to Python), and whether every one "
              "matches the plan signature expect (csrc/payloads.c).");
 

@@ -32,20 +32,21 @@ from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _dist, _guard, _locks, _plan, _planner_state, _torchcompat
+from . import _dist, _guard, _plan, _planner_state, _torchcompat
+from .storage import locks as _locks
 from ._bc import positional_storage
 from .formats.files import LOCAL_PROTOCOLS, url_protocol
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from ._guard import check_not_bootstrapping  # noqa: F401  (also CheckpointManager's)
-from ._pending import tensor_payload
+from .storage.pending import tensor_payload
 from ._plan import plan_local_save
 from ._stateful import (  # noqa: F401  (wrap_state_dict: CheckpointManager's, dcpx.manager)
     _NEVER_STATEFUL, _stateful_to_state_dict, is_stateful, wrap_state_dict)
-from ._reader import FileSystemReader
+from .storage.reader import FileSystemReader
 from ._torchcompat import NO_DIST_WARNING, any_checkpointable_tensor, torch_kwargs
 from ._unasked import warn_unloaded
-from ._writer import FileSystemWriter
+from .storage.writer import FileSystemWriter
 from .errors import checkpoint_errors
 
 

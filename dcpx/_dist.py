@@ -56,7 +56,7 @@ from .formats.files import DCP_VERSION, disagreeing_paths
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
 from .formats.legacy import legacy_layout
-from ._pending import _Entry, tensor_payload
+from .storage.pending import _Entry, tensor_payload
 from ._plan import (  # noqa: F401 (the planner's names, as before)
     GlobalPlan,
     LocalItem,
@@ -68,10 +68,10 @@ from ._plan import (  # noqa: F401 (the planner's names, as before)
     plannable,
     scan,
 )
-from ._reader import FileSystemReader, _TensorRead
+from .storage.reader import FileSystemReader, _TensorRead
 from ._torchcompat import new_metadata
 from ._unasked import warn_unloaded
-from ._writer import FileSystemWriter, _path_key
+from .storage.writer import FileSystemWriter, _path_key
 from .errors import CheckpointError, CorruptCheckpointError, checkpoint_errors
 
 

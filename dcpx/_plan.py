@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 from . import _C
 from .formats import metadata as _metadata
 from .formats.files import DCP_VERSION
-from ._pending import (
+from .storage.pending import (
     _DIRECT,
     _TO_DLPACK,
     PendingWrite,
@@ -161,7 +161,7 @@ def scan(flat: dict, prepare: Callable,
 
     ``expect``: a plan's signature; if the state dict has it, the signature
     returned is None (not built).  Plain CPU tensors of the payload functions
-    of dcpx/_pending.py are looked at in one C pass (csrc/payloads.c,
+    of dcpx/storage/pending.py are looked at in one C pass (csrc/payloads.c,
     ``_C.scan_plain``), the rest here."""
     values = list(flat.values())
     # Pinned memory exists only once torch has initialised CUDA in this
@@ -456,7 +456,7 @@ class LocalSave(NamedTuple):
         # Only for dcpx's own encode_metadata: a subclass's may change the
         # Metadata before encoding it, which the cached encoding (shared by
         # every writer of this plan) would not show.
-        from ._writer import FileSystemWriter
+        from .storage.writer import FileSystemWriter
         if type(self.writer).encode_metadata is FileSystemWriter.encode_metadata:
             self.writer._splice = _metadata.Splice(metadata, names, plan.encoded, layout,
                                                    middle)

@@ -272,7 +272,7 @@ class _Worker:
                             sorted(self.sent_buffers))
         else:
             payload = staged
-        from ._writer import FileSystemWriter
+        from .storage.writer import FileSystemWriter
         # dcpx's writer commits in the checkpoint process: the same orphan
         # check as the fast path's (_orphan_check).
         committed = writer._committed_id() if isinstance(writer, FileSystemWriter) else False
@@ -330,7 +330,7 @@ class _Worker:
 def submit_process_upload(staged, stager, writer, planner, process_group, no_dist,
                           use_collectives) -> Future:
     from ._api import _dist_in_use, dist_path_eligible, fast_path_eligible
-    from ._writer import FileSystemWriter
+    from .storage.writer import FileSystemWriter
     distributed = _dist_in_use(no_dist)
     eligible = (dist_path_eligible(writer, planner, no_dist) if distributed
                 else fast_path_eligible(writer, planner, no_dist))
@@ -493,7 +493,7 @@ def _abandon_if_orphaned(writer, parent: int) -> None:
 
 def _writer_from(config: dict, parent: int):
     """The FileSystemWriter a request describes."""
-    from ._writer import FileSystemWriter
+    from .storage.writer import FileSystemWriter
     config = dict(config)
     committed = config.pop("committed", False)
     writer = FileSystemWriter(**config)
@@ -601,7 +601,7 @@ class _StagedViews:
     def save(self, writer, values: dict):
         from ._api import save_local
         from ._gc import paused_gc
-        from ._pending import staged_payload
+        from .storage.pending import staged_payload
         flat = dict(values)  # the values first, then the tensors, as before
         flat.update(self.views)
         with paused_gc():
@@ -630,7 +630,7 @@ def _write_entries(writer, base: Optional[torch.Tensor], prefix: str, tensors, o
     """Write a rank's entries: tensors as views of the shared buffer, the
     rest (bytes, tensors sent by value) as they came."""
     from ._dist import write_files
-    from ._pending import _Entry, staged_payload
+    from .storage.pending import _Entry, staged_payload
     entries = []
     for index, offset, dtype, shape in tensors:
         t = _view_of(base, offset, dtype, shape)
@@ -654,7 +654,7 @@ def _torch_request(msg: tuple, buffers: dict, parent: int) -> Any:
 
     from ._api import save
     _, writer, planner, use_collectives, staged, committed = msg
-    from ._writer import FileSystemWriter
+    from .storage.writer import FileSystemWriter
     if isinstance(writer, FileSystemWriter) and committed is not False:
         writer._commit_check = lambda w: _orphan_check(parent, committed, w)
     elif not isinstance(writer, FileSystemWriter):

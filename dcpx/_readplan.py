@@ -262,7 +262,7 @@ def _indexed(reader, raw: bytes, ident: tuple, key: str) -> Optional[Checkpoint]
 def cacheable(reader) -> bool:
     """Whether ``reader`` reads metadata and sets itself up as dcpx's
     FileSystemReader does (a subclass may override either)."""
-    from ._reader import FileSystemReader
+    from .storage.reader import FileSystemReader
     cls = type(reader)
     return (isinstance(reader, FileSystemReader)
             and cls.read_metadata is FileSystemReader.read_metadata

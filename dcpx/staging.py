@@ -49,7 +49,7 @@ from . import _C
 from .formats.dtypes import _TO_DLPACK, dlpack_export, dlpack_view
 from ._flatten import flatten_state_dict
 from ._gc import paused_gc
-from ._pending import check_saveable, staged_payload, value_payload
+from .storage.pending import check_saveable, staged_payload, value_payload
 from ._torchcompat import (
     any_checkpointable_tensor,
     copy_checkpointable_attrs,

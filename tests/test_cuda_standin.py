@@ -926,12 +926,12 @@ class _CudaTarget(_TorchLike):
 
 @pytest.fixture
 def reader_cuda(lib, monkeypatch):
-    """dcpx._reader with a small page-locked load buffer (so that loads
+    """dcpx.storage.reader with a small page-locked load buffer (so that loads
     span several batches and one chunk exceeds it) and the stand-in's
     device streams as torch's current streams."""
     from types import SimpleNamespace
 
-    from dcpx import _reader as filesystem
+    from dcpx.storage import reader as filesystem
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda dev: SimpleNamespace(cuda_stream=lib.devices[dev.index].stream))
     monkeypatch.setattr(filesystem, "_PINNED_LOAD", 16384)

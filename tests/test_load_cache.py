@@ -269,7 +269,7 @@ def test_c_reader_reads_unsorted_items_and_runs(tmp_path):
     reader = dcpx.FileSystemReader(path)
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
-    from dcpx._reader import _TensorRead
+    from dcpx.storage.reader import _TensorRead
     reads = []
     for index, info in reversed(list(md.storage_data.items())):
         ch = md.state_dict_metadata[index.fqn].chunks[0]

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 import dcpx
-import dcpx._commit
+import dcpx.storage.commit
 from conftest import SAVEABLE_DTYPES, make_tensor, raw_bytes
 from dcpx import _plan, _readplan
 from dcpx._flatten import flatten_state_dict
@@ -667,7 +667,7 @@ def test_a_save_failing_at_commit_then_good_saves(tmp_path, mode, monkeypatch):
     """The commit raises (a full disk, say) after the plan, the encoding
     and the data files were made: nothing cached from that save may make a
     later checkpoint wrong."""
-    real = dcpx._commit.commit
+    real = dcpx.storage.commit.commit
     failing = [False]
 
     def commit(*args, **kw):
@@ -675,7 +675,7 @@ def test_a_save_failing_at_commit_then_good_saves(tmp_path, mode, monkeypatch):
             raise OSError(28, "No space left on device (test)")
         return real(*args, **kw)
 
-    monkeypatch.setattr(dcpx._commit, "commit", commit)
+    monkeypatch.setattr(dcpx.storage.commit, "commit", commit)
     saver = Saver(mode)
     try:
         path = tmp_path / "ck"

@@ -106,7 +106,7 @@ def header(tensors: Sequence[tuple[str, torch.dtype, tuple, tuple]]) -> tuple[by
 
 def file_items(entries: Sequence[Any]) -> tuple[list, list]:
     """One data file's C-writer payloads in the SAFETENSORS layout, from its
-    entries (dcpx._pending._Entry; a tensor's ``meta`` is (dtype, shape)):
+    entries (dcpx.storage.pending._Entry; a tensor's ``meta`` is (dtype, shape)):
     the bytes items, the blob's head, then each tensor's bytes as a raw item
     (storage type "", packed, no record: csrc/writer.c).  Returns
     (payloads, places): places[i] says where entry i's storage info points:

@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import _C
-from .formats.values import warn_if_refused
-from .formats.dtypes import (
+from .. import _C
+from ..formats.values import warn_if_refused
+from ..formats.dtypes import (
     _TO_DLPACK, _needs_int_view, dlpack_export, dlpack_view, storage_type_name,
 )
 

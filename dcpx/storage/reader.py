@@ -26,16 +26,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from . import _C
-from .formats import (
+from .. import _C
+from ..formats import (
     transforms as _fmt_transforms, entries as _entries, metadata as _metadata, values as _values,
 )
-from .formats.byteorder import archive_byteorder, swap_untyped
-from .formats.chunks import tiling_problem
-from .formats.safetensors import is_raw
-from .formats.dtypes import _TO_DLPACK, dlpack_view, storage_type_name
-from .formats.files import _check_dir, local_path, open_regular, read_regular, special_file_error
-from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedFormatError
+from ..formats.byteorder import archive_byteorder, swap_untyped
+from ..formats.chunks import tiling_problem
+from ..formats.safetensors import is_raw
+from ..formats.dtypes import _TO_DLPACK, dlpack_view, storage_type_name
+from ..formats.files import _check_dir, local_path, open_regular, read_regular, special_file_error
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedFormatError
 
 
 def check_zip_crcs(raw: bytes, where: str) -> int:
@@ -329,7 +329,7 @@ class FileSystemReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        from ._writer import FileSystemWriter
+        from .writer import FileSystemWriter
         return FileSystemWriter.validate_checkpoint_id(checkpoint_id)
 
     # -- dcpx's pieces ----------------------------------------------------

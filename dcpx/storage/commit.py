@@ -25,11 +25,11 @@ from typing import Any, Optional, Protocol
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import _locks
-from .formats.files import (
+from . import locks as _locks
+from ..formats.files import (
     METADATA_FN, _DATA_FILE, _RANK_METADATA, _TAGGED_DATA_FILE, _TMP_METADATA, _fsync_dir,
 )
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 
 class Committing(Protocol):

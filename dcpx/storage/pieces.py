@@ -33,11 +33,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from . import _C, _locks
-from .formats import metadata as _metadata
-from .formats.files import _fsync_dir, open_regular, read_regular
-from ._steps import DELETING_PREFIX, STEP_RE
-from .errors import CorruptCheckpointError
+from .. import _C
+from . import locks as _locks
+from ..formats import metadata as _metadata
+from ..formats.files import _fsync_dir, open_regular, read_regular
+from .steps import DELETING_PREFIX, STEP_RE
+from ..errors import CorruptCheckpointError
 
 KEY_RE = re.compile(r"^r[0-9a-f]{1,32}-s[0-9]{1,18}$")
 PIECE_RE = re.compile(r"^rank-(0|[1-9][0-9]*)-of-([1-9][0-9]*)$")

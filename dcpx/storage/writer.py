@@ -1,5 +1,5 @@
 """FileSystemWriter: torch's StorageWriter protocol over dcpx's C writer.
-The commit (metadata rename and cleanup) is dcpx._commit."""
+The commit (metadata rename and cleanup) is dcpx.storage.commit."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,12 +21,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _commit, _locks
-from .formats import (
+from . import commit as _commit, locks as _locks
+from ..formats import (
     safetensors as _fmt_safetensors, transforms as _fmt_transforms, metadata as _metadata,
 )
-from .formats.files import DCP_VERSION, _check_dir, disagreeing_paths, local_path
-from ._pending import (
+from ..formats.files import DCP_VERSION, _check_dir, disagreeing_paths, local_path
+from .pending import (
     LazyItem,
     PendingWrite,
     _buckets,
@@ -35,8 +35,8 @@ from ._pending import (
     tensor_payload,
     value_payload,
 )
-from ._torchcompat import new_metadata, stamp_version
-from .errors import CheckpointError
+from .._torchcompat import new_metadata, stamp_version
+from ..errors import CheckpointError
 
 
 def complete_metadata(writer: StorageWriter, metadata: Metadata,
@@ -120,7 +120,7 @@ class FileSystemWriter(StorageWriter):
         self.rank: Optional[int] = None
         self.is_coordinator = True
         self.use_collectives = True
-        # This save's tag and lock (dcpx/_locks.py), from the choice of its
+        # This save's tag and lock (dcpx/storage/locks.py), from the choice of its
         # file names to the end of its commit.
         self._save_lock: Optional[_locks.FileLock] = None
         # Called under the commit lock before the rename: a message means
@@ -416,7 +416,7 @@ class FileSystemWriter(StorageWriter):
         return _metadata.dumps(metadata, splice)
 
     def commit(self, metadata: Metadata, data: Optional[bytes] = None) -> None:
-        """Make the checkpoint visible atomically (dcpx._commit).  ``data``
+        """Make the checkpoint visible atomically (dcpx.storage.commit).  ``data``
         is ``encode_metadata(metadata)`` if the caller has it."""
         _commit.commit(self, metadata, data)
 
@@ -427,7 +427,7 @@ class FileSystemWriter(StorageWriter):
 
     def _remove_unreferenced(self, metadata: Metadata, ino: Optional[int] = None) -> None:
         """Delete data files the new metadata does not reference (under the
-        commit lock; dcpx._commit)."""
+        commit lock; dcpx.storage.commit)."""
         _commit.remove_unreferenced(self, metadata, ino)
 
 
