@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 
 import dcpx
 from dcpx.formats import metadata as _metadata
-from dcpx import _readplan
+from dcpx.coordination import readplan as _readplan
 
 
 def make(path: Path, n: int) -> None:

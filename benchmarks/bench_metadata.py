@@ -1,5 +1,5 @@
 """Reading a many-tensor checkpoint's .metadata with the cyclic garbage
-collector on, and paused as dcpx pauses it (dcpx/_gc.py; docs/design.md,
+collector on, and paused as dcpx pauses it (dcpx/coordination/gcpause.py; docs/design.md,
 "Why the cyclic GC is paused"); and writing it, with the C encoder
 (csrc/mdpickle.c) and with Python's pickler.
 
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import dcpx  # noqa: E402
 from dcpx import _C  # noqa: E402
 from dcpx.formats import metadata as _metadata
-from dcpx._gc import paused_gc  # noqa: E402
+from dcpx.coordination.gcpause import paused_gc  # noqa: E402
 
 from bench_io import make_small  # noqa: E402
 

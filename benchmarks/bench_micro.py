@@ -4,7 +4,7 @@
   e.g. ``pclmulqdq``), against ``zlib.crc32`` on the same bytes;
 * the per-tensor cost of ``dcpx.formats.dtypes.dlpack_export`` (torch's C DLPack
   exporter, called directly) against ``Tensor.__dlpack__()``;
-* the per-entry cost of flattening a state dict: ``dcpx._flatten``'s C walk
+* the per-entry cost of flattening a state dict: ``dcpx.coordination.flatten``'s C walk
   against torch's ``flatten_state_dict``, on a flat model-like OrderedDict
   and a nested optimizer-like dict of 20,000 and 100,000 entries (the
   collector paused, as dcpx pauses it around the walk; CPU time).
@@ -27,7 +27,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torc
 
 from dcpx import _C
 from dcpx.formats.dtypes import dlpack_export
-from dcpx._flatten import flatten_state_dict
+from dcpx.coordination.flatten import flatten_state_dict
 
 
 def _median(fn, repeat, clock=time.perf_counter):

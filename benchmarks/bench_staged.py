@@ -62,7 +62,7 @@ def metadata(sd, repeat):
     from multiprocessing.reduction import ForkingPickler
 
     from dcpx.formats import metadata as _metadata
-    from dcpx._gc import paused_gc
+    from dcpx.coordination.gcpause import paused_gc
     d = tempfile.mkdtemp()
     try:
         md = dcpx.save(sd, checkpoint_id=d)

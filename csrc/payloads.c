@@ -21,7 +21,7 @@
  * payloads[i] is None and i is in `holes` (the checked path names what is
  * wrong with it, or raises the export's error).
  *
- * expect: None, or the plan's signature (dcpx/_plan.py, scan): `same` is
+ * expect: None, or the plan's signature (dcpx/coordination/plan.py, scan): `same` is
  * True when expect is given and every value handled here has expect[i] ==
  * (dtype, shape, requires_grad, pinned) -- pinned asked only when `cuda`,
  * else False -- as _plan.scan would build it.  The holes are the caller's

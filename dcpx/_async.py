@@ -34,7 +34,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _dist, _guard
+from .coordination import dist as _dist
+from . import _guard
 from .storage import locks as _locks
 from ._api import (
     _dist_in_use,
@@ -48,8 +49,8 @@ from ._api import (
     save,
     save_local,
 )
-from ._flatten import flatten_state_dict
-from ._gc import paused_gc
+from .coordination.flatten import flatten_state_dict
+from .coordination.gcpause import paused_gc
 from .storage.pending import staged_payload
 from ._torchcompat import HAS_CHECKPOINTABLE_TENSOR, is_checkpointable_tensor
 from .storage.writer import FileSystemWriter

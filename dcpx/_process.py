@@ -137,7 +137,7 @@ class _Worker:
                 self.sent_layouts.pop(layout.buffer.serial, None)
             raise result
         if status == "ok-encoded":  # .metadata bytes: dcpx's decoder, not pickle's
-            from ._gc import paused_gc
+            from .coordination.gcpause import paused_gc
             from .formats.metadata import loads
             with paused_gc():  # ~5 objects per tensor, none in a cycle
                 return loads(result, str(writer.path))
@@ -167,7 +167,7 @@ class _Worker:
         """A multi-process save: this process coordinates with the other
         ranks (on the upload thread, over async_save's own group) and the
         checkpoint process writes this rank's data files."""
-        from . import _dist
+        from .coordination import dist as _dist
         from ._api import dist_path_state
         from .errors import staging_error
         from .staging import DefaultStager
@@ -287,7 +287,7 @@ class _Worker:
         writer's ``write_data`` runs in the checkpoint process, which gets
         the writer, this rank's plan and the planner (holding the staged
         state dict) pickled, as torch's checkpoint process gets them."""
-        from . import _dist
+        from .coordination import dist as _dist
         from ._api import save
         from .errors import staging_error
         if isinstance(group, _dist.AsyncTicket):
@@ -600,7 +600,7 @@ class _StagedViews:
 
     def save(self, writer, values: dict):
         from ._api import save_local
-        from ._gc import paused_gc
+        from .coordination.gcpause import paused_gc
         from .storage.pending import staged_payload
         flat = dict(values)  # the values first, then the tensors, as before
         flat.update(self.views)
@@ -629,7 +629,7 @@ def _encoded(metadata) -> Optional[bytes]:
 def _write_entries(writer, base: Optional[torch.Tensor], prefix: str, tensors, others):
     """Write a rank's entries: tensors as views of the shared buffer, the
     rest (bytes, tensors sent by value) as they came."""
-    from ._dist import write_files
+    from .coordination.dist import write_files
     from .storage.pending import _Entry, staged_payload
     entries = []
     for index, offset, dtype, shape in tensors:

@@ -4,7 +4,7 @@ protocols, backed by dcpx's C core (the public home of both, as
 
 They plug into torch's own ``dcp.save`` / ``dcp.load`` machinery (process
 groups, DTensor planners, resharding), and dcpx's own planner
-(``dcpx._api``, ``dcpx._dist``) calls the same pieces directly.
+(``dcpx._api``, ``dcpx.coordination.dist``) calls the same pieces directly.
 
 The code lives in one module per concern, in the order a tensor passes
 through them (docs/design.md, "Python modules"):
@@ -50,7 +50,7 @@ from .storage.pending import (  # noqa: F401
 from .formats.byteorder import (
     archive_byteorder, swap_untyped, tensors_within,
 )  # noqa: F401  (the CLI's torch.save source)
-from ._flatten import flatten_state_dict  # noqa: F401  (the CLI reads torch.save files by it)
+from .coordination.flatten import flatten_state_dict  # noqa: F401  (the CLI reads torch.save files by it)
 from .formats.safetensors import is_raw  # noqa: F401  (a SAFETENSORS tensor's resolved entry)
 from .storage.reader import FileSystemReader, check_castable, check_zip_crcs  # noqa: F401
 from ._torchcompat import (  # noqa: F401  (convert's torch.save writer)

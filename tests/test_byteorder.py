@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as tdcp
 
 import dcpx
-from dcpx._readplan import clear
+from dcpx.coordination.readplan import clear
 from dcpx.cli import main as cli_main
 from dcpx.cli.verify import verify_checkpoint
 from dcpx.errors import CorruptCheckpointError

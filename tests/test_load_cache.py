@@ -1,4 +1,4 @@
-"""The load side's cache (dcpx/_readplan.py): the checked metadata of a
+"""The load side's cache (dcpx/coordination/readplan.py): the checked metadata of a
 checkpoint and a compiled read plan per destination layout are reused by
 later loads, and never serve anything but what a load without the cache
 would: the new data after a new save, an error for corrupted data on every
@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 
 import dcpx
 from dcpx.formats import metadata as _metadata
-from dcpx import _readplan
+from dcpx.coordination import readplan as _readplan
 from dcpx.errors import CorruptCheckpointError
 
 from conftest import assert_bit_equal, fast_writer, flip_byte, locate

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 import dcpx
 from conftest import assert_state_bit_equal, empty_like_state, fast_writer
-from dcpx import _C, _plan
+from dcpx import _C
+from dcpx.coordination import plan as _plan
 from dcpx.formats import metadata as _metadata
 
 

@@ -1,5 +1,5 @@
 """Adversarial tests of the save-side fast paths that skip work when
-"nothing changed" since the previous save: the plan cache (dcpx/_plan.py,
+"nothing changed" since the previous save: the plan cache (dcpx/coordination/plan.py,
 ``_C.scan_plain``), the reused metadata encoding (``_metadata.Splice``, the
 split form of ``.metadata``), the stager's reuse of its layout
 (``DefaultStager._reuse``, ``_flat_as_is``), the upload's kept payloads
@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 import dcpx
 import dcpx.storage.commit
 from conftest import SAVEABLE_DTYPES, make_tensor, raw_bytes
-from dcpx import _plan, _readplan
-from dcpx._flatten import flatten_state_dict
+from dcpx.coordination import plan as _plan, readplan as _readplan
+from dcpx.coordination.flatten import flatten_state_dict
 
 
 THREAD = dcpx.AsyncCheckpointerType.THREAD

@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as tdcp
 
 import dcpx
-from dcpx import _plan, staging
+from dcpx.coordination import plan as _plan
+from dcpx import staging
 
 
 def _stager(**kw) -> dcpx.DefaultStager:

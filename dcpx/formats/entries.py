@@ -10,7 +10,7 @@ entries as the readers read them.  One module per format:
 use: a safetensors tensor entry (torch records the blob's start and the
 byte count) becomes a ``RawInfo`` of the tensor's own bytes, after its
 header is checked against the metadata; every other entry is kept.  None
-of this imports rank coordination (dcpx._dist)."""
+of this imports rank coordination (dcpx.coordination.dist)."""
 from __future__ import annotations
 
 import copy

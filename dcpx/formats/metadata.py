@@ -94,7 +94,7 @@ _PROTOCOL = min(pickle.HIGHEST_PROTOCOL, 5)
 
 
 class Splice(NamedTuple):
-    """What a single-process save (dcpx._plan.plan_local_save) tells the
+    """What a single-process save (dcpx.coordination.plan.plan_local_save) tells the
     encoder about its Metadata, so that a save of an unchanged layout
     reuses the encoding of the last one ("Reuse of the encoded body" below).
 

@@ -15,7 +15,7 @@ read and written as torch 2.13's ``filesystem.py`` lays it out:
 
 Safetensors has no checksum: what a load checks instead is listed in
 docs/format.md ("SAFETENSORS data files").  This module does no rank
-coordination (it never imports dcpx._dist)."""
+coordination (it never imports dcpx.coordination.dist)."""
 from __future__ import annotations
 
 import json

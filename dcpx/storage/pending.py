@@ -210,7 +210,7 @@ class PendingWrite:
                     payloads: list[list], base: Optional[torch.Tensor] = None) -> "PendingWrite":
         """The data files ``names[i]`` holding ``payloads[i]`` (the C
         writer's payloads, in order): for a caller that keeps which item
-        each one is itself (dcpx._plan's SavePlan), so that no entry
+        each one is itself (dcpx.coordination.plan's SavePlan), so that no entry
         object is made per item.  ``files`` then has no entries, and
         ``results`` is not available.  ``base``: the buffer that base items
         ``(offset, nbytes, storage_type, shape)`` lie in (a stager's, kept

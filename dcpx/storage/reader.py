@@ -176,7 +176,7 @@ class FileSystemReader(StorageReader):
                  thread_count: Optional[int] = None, verify: bool = True,
                  allow_pickle: bool = False) -> None:
         super().__init__()
-        self._lazy: Any = None  # a dcpx._readplan.Checkpoint set up for, not yet decoded
+        self._lazy: Any = None  # a dcpx.coordination.readplan.Checkpoint set up for, not yet decoded
         self.path = local_path(path)
         self.thread_count = thread_count or min(4, os.cpu_count() or 1)
         self.verify = verify
@@ -257,7 +257,7 @@ class FileSystemReader(StorageReader):
         self.use_collectives = use_collectives
 
     def _set_up_cached(self, ck: Any, rank: Optional[int], use_collectives: bool) -> None:
-        """Set up for a checkpoint of dcpx._readplan's cache, checked
+        """Set up for a checkpoint of dcpx.coordination.readplan's cache, checked
         already: its Metadata (``storage_data``, the state dict metadata)
         is decoded only if something here asks for it."""
         self._lazy = ck

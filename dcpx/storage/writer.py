@@ -57,7 +57,7 @@ def complete_metadata(writer: StorageWriter, metadata: Metadata,
 class _RankPath(NamedTuple):
     """A rank's checkpoint path, carried in its local SavePlan's
     ``storage_data`` to the coordinator (torch's generic save path), which
-    refuses the save when the ranks disagree (see dcpx._dist.path_key)."""
+    refuses the save when the ranks disagree (see dcpx.coordination.dist.path_key)."""
     path: str
 
 
@@ -126,7 +126,7 @@ class FileSystemWriter(StorageWriter):
         # Called under the commit lock before the rename: a message means
         # "do not commit" (the checkpoint process of a dead parent sets it).
         self._commit_check: Optional[Any] = None
-        # Set by a single-process save for encode_metadata (dcpx._plan).
+        # Set by a single-process save for encode_metadata (dcpx.coordination.plan).
         self._splice: Optional[_metadata.Splice] = None
 
     def __getstate__(self) -> dict:
@@ -208,7 +208,7 @@ class FileSystemWriter(StorageWriter):
     # -- dcpx's pieces ----------------------------------------------------
     def plain_format(self) -> bool:
         """TORCH_SAVE records without stream transforms: the format dcpx's
-        own save paths (dcpx._plan, dcpx._dist) write.  Otherwise a save
+        own save paths (dcpx.coordination.plan, dcpx.coordination.dist) write.  Otherwise a save
         takes torch's path through ``write_data``."""
         return not self._safetensors and not self._extensions
 
@@ -290,7 +290,7 @@ class FileSystemWriter(StorageWriter):
         """Lay out entries into data files named ``{prefix}{i}.distcp``,
         ``i`` counting from ``first``.  ``groups``: which entries go into
         which file (lists of indices), when the caller's plan has it
-        (dcpx._plan.file_groups, the same rule)."""
+        (dcpx.coordination.plan.file_groups, the same rule)."""
         if groups is not None:
             groups = [[entries[i] for i in g] for g in groups]
         elif self.single_file_per_rank:
@@ -313,7 +313,7 @@ class FileSystemWriter(StorageWriter):
                        base=None) -> PendingWrite:
         """Lay out data files ``names[i]`` holding ``payloads[i]`` (C-writer
         payloads, in order), for a caller that knows each one's item itself
-        (dcpx._plan.plan_local_save): the single-process save's counterpart
+        (dcpx.coordination.plan.plan_local_save): the single-process save's counterpart
         of ``write_entries``.  ``base``: see ``PendingWrite.of_payloads``."""
         return PendingWrite.of_payloads(self, names, payloads, base)
 

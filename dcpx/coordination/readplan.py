@@ -46,10 +46,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from . import _C
-from .formats import entries as _entries, metadata as _metadata
-from .formats.safetensors import is_raw
-from .formats.dtypes import _TO_DLPACK, _needs_int_view, storage_type_name
+from .. import _C
+from ..formats import entries as _entries, metadata as _metadata
+from ..formats.safetensors import is_raw
+from ..formats.dtypes import _TO_DLPACK, _needs_int_view, storage_type_name
 
 MAX_CHECKPOINTS = 2
 MAX_PLANS = 4
@@ -262,7 +262,7 @@ def _indexed(reader, raw: bytes, ident: tuple, key: str) -> Optional[Checkpoint]
 def cacheable(reader) -> bool:
     """Whether ``reader`` reads metadata and sets itself up as dcpx's
     FileSystemReader does (a subclass may override either)."""
-    from .storage.reader import FileSystemReader
+    from ..storage.reader import FileSystemReader
     cls = type(reader)
     return (isinstance(reader, FileSystemReader)
             and cls.read_metadata is FileSystemReader.read_metadata

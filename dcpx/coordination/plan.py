@@ -40,10 +40,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _C
-from .formats import metadata as _metadata
-from .formats.files import DCP_VERSION
-from .storage.pending import (
+from .. import _C
+from ..formats import metadata as _metadata
+from ..formats.files import DCP_VERSION
+from ..storage.pending import (
     _DIRECT,
     _TO_DLPACK,
     PendingWrite,
@@ -52,8 +52,8 @@ from .storage.pending import (
     tensor_payload,
     value_payload,
 )
-from ._torchcompat import DTensor, dtensor_chunk, is_checkpointable_tensor, new_metadata
-from .errors import CheckpointError
+from .._torchcompat import DTensor, dtensor_chunk, is_checkpointable_tensor, new_metadata
+from ..errors import CheckpointError
 
 
 _BYTES_MD = BytesStorageMetadata()
@@ -456,7 +456,7 @@ class LocalSave(NamedTuple):
         # Only for dcpx's own encode_metadata: a subclass's may change the
         # Metadata before encoding it, which the cached encoding (shared by
         # every writer of this plan) would not show.
-        from .storage.writer import FileSystemWriter
+        from ..storage.writer import FileSystemWriter
         if type(self.writer).encode_metadata is FileSystemWriter.encode_metadata:
             self.writer._splice = _metadata.Splice(metadata, names, plan.encoded, layout,
                                                    middle)
