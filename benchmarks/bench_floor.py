@@ -52,7 +52,9 @@ import bench_io  # noqa: E402
 from bench_load import limit_files, read_limit  # noqa: E402
 
 import dcpx  # noqa: E402
-from dcpx import _C, _metadata, _readplan  # noqa: E402
+from dcpx import _C  # noqa: E402
+from dcpx.coordination import readplan as _readplan
+from dcpx.formats import metadata as _metadata
 
 _SCRUB = torch.empty(256 << 20, dtype=torch.uint8)
 
@@ -200,7 +202,7 @@ def main():
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out", help="path stem of the .json/.md results")
     args = p.parse_args()
-    gc.disable()  # no collection inside the timed loops (dcpx pauses it too: dcpx/_gc.py)
+    gc.disable()  # no collection inside the timed loops (dcpx pauses it too: dcpx/coordination/gcpause.py)
     workdir = tempfile.mkdtemp(prefix="dcpx-floor-", dir=args.dir)
     try:
         meta = bench_io.machine_info(workdir, dcpx, None)

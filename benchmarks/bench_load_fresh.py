@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Load of a *fresh* checkpoint: one this process has not loaded before, so that dcpx's
-read-plan cache (dcpx/_readplan.py) does not hit and the load decodes and checks its
+read-plan cache (dcpx/coordination/readplan.py) does not hit and the load decodes and checks its
 ``.metadata``, plans, and reads.  bench_load.py measures loads 2..N of one checkpoint instead.
 
 COUNT checkpoints of one state dict (bench_io.py's 20,000-tensor mix by default; ``--tiny``:

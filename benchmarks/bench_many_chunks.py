@@ -12,7 +12,7 @@ the decoding).
     PYTHONPATH=$PWD python benchmarks/bench_many_chunks.py [--chunks 10000 40000 160000]
         [--repeat 3] [--load] [--out benchmarks/results/many_chunks_local.md]
 
-Prints, per N: dcpx's metadata decode (``dcpx._metadata.loads``, what a load
+Prints, per N: dcpx's metadata decode (``dcpx.formats.metadata.loads``, what a load
 runs; and the C index ``_metadata.index`` when it takes the file), torch's
 ``pickle.loads``, and with ``--load`` a whole ``dcpx.load`` (decode, checks,
 read planning, reads); medians of ``--repeat``, in CPU seconds of the
@@ -39,7 +39,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import dcpx
-from dcpx import _metadata, _readplan
+from dcpx.formats import metadata as _metadata
+from dcpx.coordination import readplan as _readplan
 
 
 def make(path: Path, n: int) -> None:

@@ -1,10 +1,10 @@
 """Reading a many-tensor checkpoint's .metadata with the cyclic garbage
-collector on, and paused as dcpx pauses it (dcpx/_gc.py; docs/design.md,
+collector on, and paused as dcpx pauses it (dcpx/coordination/gcpause.py; docs/design.md,
 "Why the cyclic GC is paused"); and writing it, with the C encoder
 (csrc/mdpickle.c) and with Python's pickler.
 
 Saves a state dict of COUNT small tensors (bench_io.py's "small" case), then
-times dcpx's safe metadata reader (``dcpx._metadata.loads``: CRC, opcode
+times dcpx's safe metadata reader (``dcpx.formats.metadata.loads``: CRC, opcode
 scan, allow-list unpickling, validation) on the bytes in memory, REPEAT
 times each way, alternating, with the state dict alive (as in a training
 process, whose model and optimizer the collector's full passes also scan).
@@ -27,8 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import dcpx  # noqa: E402
-from dcpx import _C, _metadata  # noqa: E402
-from dcpx._gc import paused_gc  # noqa: E402
+from dcpx import _C  # noqa: E402
+from dcpx.formats import metadata as _metadata
+from dcpx.coordination.gcpause import paused_gc  # noqa: E402
 
 from bench_io import make_small  # noqa: E402
 

@@ -2,9 +2,9 @@
 
 * CRC-32 throughput of ``dcpx._C.crc32`` on one core (its implementation,
   e.g. ``pclmulqdq``), against ``zlib.crc32`` on the same bytes;
-* the per-tensor cost of ``dcpx._dtypes.dlpack_export`` (torch's C DLPack
+* the per-tensor cost of ``dcpx.formats.dtypes.dlpack_export`` (torch's C DLPack
   exporter, called directly) against ``Tensor.__dlpack__()``;
-* the per-entry cost of flattening a state dict: ``dcpx._flatten``'s C walk
+* the per-entry cost of flattening a state dict: ``dcpx.coordination.flatten``'s C walk
   against torch's ``flatten_state_dict``, on a flat model-like OrderedDict
   and a nested optimizer-like dict of 20,000 and 100,000 entries (the
   collector paused, as dcpx pauses it around the walk; CPU time).
@@ -26,8 +26,8 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
 
 from dcpx import _C
-from dcpx._dtypes import dlpack_export
-from dcpx._flatten import flatten_state_dict
+from dcpx.formats.dtypes import dlpack_export
+from dcpx.coordination.flatten import flatten_state_dict
 
 
 def _median(fn, repeat, clock=time.perf_counter):

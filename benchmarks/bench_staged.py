@@ -61,8 +61,8 @@ def metadata(sd, repeat):
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
-    from dcpx import _metadata
-    from dcpx._gc import paused_gc
+    from dcpx.formats import metadata as _metadata
+    from dcpx.coordination.gcpause import paused_gc
     d = tempfile.mkdtemp()
     try:
         md = dcpx.save(sd, checkpoint_id=d)

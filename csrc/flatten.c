@@ -21,7 +21,7 @@
  * classified by pointer; anything else gets the very isinstance() calls
  * torch makes, and non-dict Mappings (OrderedDict included) are walked
  * through their own items().  Where this walk cannot be sure to match
- * torch it returns None instead and dcpx/_flatten.py calls torch's
+ * torch it returns None instead and dcpx/coordination/flatten.py calls torch's
  * function: a Mapping whose items() yields something other than 2-tuples,
  * a key whose str() is not an exact str, nesting deeper than MAX_DEPTH or
  * a RecursionError (torch then raises its own, or succeeds), and a

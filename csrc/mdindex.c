@@ -3,7 +3,7 @@
  *
  *   (index, files) = md_index(data, body_len, globals, dtypes)   or None
  *       data[:body_len]: the pickle; globals: {(module, name): (kind, i)}
- *       for the globals it may name (dcpx/_metadata.py, _index_tables);
+ *       for the globals it may name (dcpx/formats/metadata.py, _index_tables);
  *       dtypes[i] = (torch.dtype, storage type name or None).  files: the
  *       data files the storage entries name, each once.
  *   ok = md_index_check(index, sizes)      sizes[f]: bytes of files[f]
@@ -50,7 +50,7 @@ enum {
     V_SIZE, V_DTYPE, V_LAYOUT, V_MEMFMT, V_PATH, V_OPAQUE
 };
 
-/* Global kinds (dcpx/_metadata.py _index_tables uses the same numbers). */
+/* Global kinds (dcpx/formats/metadata.py _index_tables uses the same numbers). */
 enum {
     G_METADATA = 1, G_TSM, G_BSM, G_CSM, G_TP, G_MI, G_SMETA, G_SI,
     G_SIZE, G_GET_LAYOUT, G_MEMFMT_ENC, G_PATH, G_DTYPE, G_OPAQUE

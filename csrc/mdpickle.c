@@ -7,10 +7,10 @@
  * reduction is known, so this encoder walks it and writes the opcodes
  * directly.  The stream loads to objects equal to what Python's pickler
  * writes (the same reductions, protocol and memo back-references); anything
- * outside the set returns None and dcpx/_metadata.py uses Python's pickler.
+ * outside the set returns None and dcpx/formats/metadata.py uses Python's pickler.
  *
  * The caller passes `kinds`, a dict {type: (kind, reducer)} that
- * dcpx/_metadata.py builds once after checking each type still pickles the
+ * dcpx/formats/metadata.py builds once after checking each type still pickles the
  * way the kind assumes (no __reduce__ override, no copyreg entry, ...):
  *   KIND_PLAIN     cls.__new__(cls) + BUILD with the instance __dict__
  *                  (object.__reduce_ex__ of a dataclass);
@@ -617,7 +617,7 @@ static int enc_getstate(enc *e, PyObject *o)
     return rc;
 }
 
-/* dcpx's reducer_override (dcpx/_metadata.py): _StorageInfo(path, offset,
+/* dcpx's reducer_override (dcpx/formats/metadata.py): _StorageInfo(path, offset,
  * length) when it has no transform descriptors; torch's __getstate__ when
  * it has. */
 static int enc_storage(enc *e, PyObject *o)
@@ -802,7 +802,7 @@ static int enc_ref(enc *e, PyObject *o)
  * updates the instance dict), is written without the memo: so the bytes of
  * obj do not depend on the names' text or on the tail, and a caller that
  * has them from an earlier call with as many names passes them as
- * `middle` instead of encoding obj again (dcpx/_metadata.py, "Reuse of the
+ * `middle` instead of encoding obj again (dcpx/formats/metadata.py, "Reuse of the
  * encoded body"). */
 static int enc_names(enc *e, PyObject *names)
 {

@@ -285,7 +285,7 @@ PyDoc_STRVAR(dump_metadata_doc,
              "The pickle of a DCP Metadata object graph, written in C "
              "(csrc/mdpickle.c); it loads to objects equal to pickle.dumps's. "
              "kinds: {type: (kind, reducer)} for the non-builtin types "
-             "(dcpx/_metadata.py builds it).  None when the graph holds "
+             "(dcpx/formats/metadata.py builds it).  None when the graph holds "
              "anything else: the caller then uses Python's pickler.  With "
              "names (a tuple of str), the split form (csrc/mdpickle.c): "
              "(bytes, start, end) of the metadata's part, or bytes when that "
@@ -294,7 +294,7 @@ PyDoc_STRVAR(dump_metadata_doc,
 PyDoc_STRVAR(scan_plain_doc,
              "scan_plain($module, values, expect, direct, dl_dtypes, export, cuda, /)\n--\n\n"
              "(payloads, holes, same): the C writer's payload of each plain CPU "
-             "tensor of values as dcpx._pending._direct_payload makes it, None "
+             "tensor of values as dcpx.storage.pending._direct_payload makes it, None "
              "at the indices in holes (left to Python), and whether every one "
              "matches the plan signature expect (csrc/payloads.c).");
 

@@ -5,7 +5,7 @@
  *       -> (payloads, holes, same)
  *
  * values: the flat state dict's values (a list; it keeps them alive).
- * For each value that dcpx/_pending.py's _direct_payload would take (an
+ * For each value that dcpx/storage/pending.py's _direct_payload would take (an
  * exact torch.Tensor or torch.nn.Parameter, on the CPU, strided, not
  * nested, not quantized, without conj or neg bit, of a dtype in `direct`,
  * {dtype: storage type name}), payloads[i] is what it returns:
@@ -15,13 +15,13 @@
  * its device, shape and dtype are read from the export (a DLPack
  * DLManagedTensorVersioned, dcpx.h), which costs no getter: `dl_dtypes`
  * maps dlpack_dtype_key() of a DLPack dtype to the one torch dtype that
- * exports as it (dcpx/_pending.py builds it over every torch dtype and
+ * exports as it (dcpx/storage/pending.py builds it over every torch dtype and
  * leaves out a DLPack dtype two share); one not in it is asked for.  Every other
  * value, and one whose getters or export raise, is left to Python:
  * payloads[i] is None and i is in `holes` (the checked path names what is
  * wrong with it, or raises the export's error).
  *
- * expect: None, or the plan's signature (dcpx/_plan.py, scan): `same` is
+ * expect: None, or the plan's signature (dcpx/coordination/plan.py, scan): `same` is
  * True when expect is given and every value handled here has expect[i] ==
  * (dtype, shape, requires_grad, pinned) -- pinned asked only when `cuda`,
  * else False -- as _plan.scan would build it.  The holes are the caller's
@@ -188,7 +188,7 @@ static PyObject *payload(PyObject *v, PyObject *direct, PyObject *dl_dtypes,
 }
 
 /* dlpack_dtype_key(capsule): dtype_key of an unused DLPack capsule's
- * tensor (not consumed), or -1; for dcpx/_pending.py's table of which
+ * tensor (not consumed), or -1; for dcpx/storage/pending.py's table of which
  * DLPack dtype is which torch dtype. */
 PyObject *dcpx_dlpack_dtype_key(PyObject *Py_UNUSED(module), PyObject *cap)
 {

@@ -1,6 +1,6 @@
 /* check_pickle: walk a pickle's opcodes before Python's unpickler sees it.
  *
- * The allow-listed Unpickler (dcpx/_metadata.py) decides which globals a
+ * The allow-listed Unpickler (dcpx/formats/metadata.py) decides which globals a
  * checkpoint's .metadata may name, but CPython's unpickler trusts the
  * opcode stream itself: a 9-byte pickle whose LONG_BINPUT index is 2**32-1
  * makes it grow its memo table to that size (tens of GiB; found by

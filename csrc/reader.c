@@ -271,7 +271,7 @@ static uint32_t swap_unit(const ritem *it, const dcpx_tensor_record *rec)
 /* Read one archive: from `mem` if its L bytes are there already (a run),
  * else from its file. */
 /* A raw item (storage type ""): the tensor's bytes themselves lie at
- * [offset, offset + length) (a safetensors data file, dcpx/_fmt_safetensors.py),
+ * [offset, offset + length) (a safetensors data file, dcpx/formats/safetensors.py),
  * with no record around them and no CRC to check. */
 static int read_raw(rjob *job, ritem *it, const unsigned char *mem)
 {

@@ -8,7 +8,7 @@
  *            | (tensor, "")               a tensor's bytes alone, no archive
  *                                         and no alignment gap before them
  *                                         (the tensor data of a safetensors
- *                                         file, dcpx/_fmt_safetensors.py)
+ *                                         file, dcpx/formats/safetensors.py)
  *            | (tensor, storage_type, gate)  the same, its bytes read only
  *                                         once the staging gate says they
  *                                         are final (csrc/gate.h)

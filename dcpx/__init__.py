@@ -9,7 +9,7 @@ and safe loading of untrusted checkpoints.  See docs/ for details.
 import sys as _sys
 import threading as _threading
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401
 
 #: set while dcpx._exports is being imported (by the thread holding _lock)
 _loading = False

@@ -5,7 +5,7 @@ Two paths, one format:
 
 * **fast path** (no process group in use, default planner, dcpx storage):
   dcpx flattens the state dict by torch's ``flatten_state_dict`` rules (one C
-  walk, ``_flatten.py``; torch's own function where it cannot be sure), builds
+  walk, ``coordination/flatten.py``; torch's own function where it cannot be sure), builds
   the metadata itself in one pass (no SavePlan / WriteItem objects, no
   planner round trips) and hands the tensors to the C writer or reader.
 * **generic path** (a process group, a custom planner, DTensor / sharded
@@ -33,20 +33,22 @@ from torch.distributed.checkpoint.state_dict_loader import load as _torch_load
 from torch.distributed.checkpoint.state_dict_saver import save as _torch_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import _dist, _guard, _locks, _plan, _planner_state, _torchcompat
+from .coordination import dist as _dist, plan as _plan, planner_state as _planner_state
+from . import _guard, _torchcompat
+from .storage import locks as _locks
 from ._bc import positional_storage
-from ._files import LOCAL_PROTOCOLS, url_protocol
-from ._flatten import flatten_state_dict
-from ._gc import paused_gc
+from .formats.files import LOCAL_PROTOCOLS, url_protocol
+from .coordination.flatten import flatten_state_dict
+from .coordination.gcpause import paused_gc
 from ._guard import check_not_bootstrapping  # noqa: F401  (also CheckpointManager's)
-from ._pending import tensor_payload
-from ._plan import plan_local_save
-from ._stateful import (  # noqa: F401  (wrap_state_dict: CheckpointManager's, dcpx.manager)
+from .storage.pending import tensor_payload
+from .coordination.plan import plan_local_save
+from .coordination.stateful import (  # noqa: F401  (wrap_state_dict: CheckpointManager's, dcpx.manager)
     _NEVER_STATEFUL, _stateful_to_state_dict, is_stateful, wrap_state_dict)
-from ._reader import FileSystemReader
+from .storage.reader import FileSystemReader
 from ._torchcompat import NO_DIST_WARNING, any_checkpointable_tensor, torch_kwargs
-from ._unasked import warn_unloaded
-from ._writer import FileSystemWriter
+from .coordination.unasked import warn_unloaded
+from .storage.writer import FileSystemWriter
 from .errors import checkpoint_errors, own_failure
 
 
@@ -71,7 +73,7 @@ def as_state_dict(state_dict: Any, what: str) -> dict:
 
 
 def _is_plain_or_value(obj: Any) -> bool:
-    """A value a single-process save or load plans itself (dcpx._plan.plannable)."""
+    """A value a single-process save or load plans itself (dcpx.coordination.plan.plannable)."""
     return _plan.plannable(obj, False)
 
 
@@ -314,7 +316,7 @@ def load(
     partial = getattr(planner, "allow_partial_load", False)
     # One GC pause over the flattening and the local load: the ~2 objects
     # per tensor they make are freed before it ends, so that its end does
-    # not start a collection that scans them (dcpx/_gc.py).
+    # not start a collection that scans them (dcpx/coordination/gcpause.py).
     with paused_gc():
         flat, mappings = flatten_state_dict(stateful_sd)
         fast = (_default_planner(planner) and isinstance(reader, FileSystemReader)
@@ -324,7 +326,7 @@ def load(
                 ck = _dist.open_checkpoint(reader)
                 count = ck.key_count()
                 _dist.load_flat(flat, mappings, stateful_sd, reader, ck, partial)
-            if not partial:  # keys the state dict did not ask for (dcpx/_unasked.py)
+            if not partial:  # keys the state dict did not ask for (dcpx/coordination/unasked.py)
                 warn_unloaded(ck, count, flat, keys, reader.path)
             del ck
             flat = mappings = None

@@ -11,7 +11,7 @@ Timeline of one call (docs/design.md has the picture)::
   (THREAD) or in one long-lived checkpoint process (PROCESS).  Saves into
   one directory (sync or async, any kind) run in call order: an upload gets
   its state dict only after earlier saves into its directory finished
-  (dcpx/_locks.py).
+  (dcpx/storage/locks.py).
 * In-flight policy: a stager's buffer belongs to the upload of what was
   staged into it.  A second ``async_save`` with the same stager first waits
   (inside ``stage()``) for that upload, then reuses the buffer.  Saves with
@@ -34,7 +34,9 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _dist, _guard, _locks
+from .coordination import dist as _dist
+from . import _guard
+from .storage import locks as _locks
 from ._api import (
     _dist_in_use,
     _stateful_to_state_dict,
@@ -47,11 +49,11 @@ from ._api import (
     save,
     save_local,
 )
-from ._flatten import flatten_state_dict
-from ._gc import paused_gc
-from ._pending import staged_payload
+from .coordination.flatten import flatten_state_dict
+from .coordination.gcpause import paused_gc
+from .storage.pending import staged_payload
 from ._torchcompat import HAS_CHECKPOINTABLE_TENSOR, is_checkpointable_tensor
-from ._writer import FileSystemWriter
+from .storage.writer import FileSystemWriter
 from .errors import CheckpointError, checkpoint_future, staging_error
 from .staging import DefaultStager
 from .staging import _pool as _staging_pool

@@ -137,8 +137,8 @@ class _Worker:
                 self.sent_layouts.pop(layout.buffer.serial, None)
             raise result
         if status == "ok-encoded":  # .metadata bytes: dcpx's decoder, not pickle's
-            from ._gc import paused_gc
-            from ._metadata import loads
+            from .coordination.gcpause import paused_gc
+            from .formats.metadata import loads
             with paused_gc():  # ~5 objects per tensor, none in a cycle
                 return loads(result, str(writer.path))
         return result
@@ -167,7 +167,7 @@ class _Worker:
         """A multi-process save: this process coordinates with the other
         ranks (on the upload thread, over async_save's own group) and the
         checkpoint process writes this rank's data files."""
-        from . import _dist
+        from .coordination import dist as _dist
         from ._api import dist_path_state
         from .errors import staging_error
         from .staging import DefaultStager
@@ -272,7 +272,7 @@ class _Worker:
                             sorted(self.sent_buffers))
         else:
             payload = staged
-        from ._writer import FileSystemWriter
+        from .storage.writer import FileSystemWriter
         # dcpx's writer commits in the checkpoint process: the same orphan
         # check as the fast path's (_orphan_check).
         committed = writer._committed_id() if isinstance(writer, FileSystemWriter) else False
@@ -287,7 +287,7 @@ class _Worker:
         writer's ``write_data`` runs in the checkpoint process, which gets
         the writer, this rank's plan and the planner (holding the staged
         state dict) pickled, as torch's checkpoint process gets them."""
-        from . import _dist
+        from .coordination import dist as _dist
         from ._api import save
         from .errors import staging_error
         if isinstance(group, _dist.AsyncTicket):
@@ -330,7 +330,7 @@ class _Worker:
 def submit_process_upload(staged, stager, writer, planner, process_group, no_dist,
                           use_collectives) -> Future:
     from ._api import _dist_in_use, dist_path_eligible, fast_path_eligible
-    from ._writer import FileSystemWriter
+    from .storage.writer import FileSystemWriter
     distributed = _dist_in_use(no_dist)
     eligible = (dist_path_eligible(writer, planner, no_dist) if distributed
                 else fast_path_eligible(writer, planner, no_dist))
@@ -493,7 +493,7 @@ def _abandon_if_orphaned(writer, parent: int) -> None:
 
 def _writer_from(config: dict, parent: int):
     """The FileSystemWriter a request describes."""
-    from ._writer import FileSystemWriter
+    from .storage.writer import FileSystemWriter
     config = dict(config)
     committed = config.pop("committed", False)
     writer = FileSystemWriter(**config)
@@ -600,8 +600,8 @@ class _StagedViews:
 
     def save(self, writer, values: dict):
         from ._api import save_local
-        from ._gc import paused_gc
-        from ._pending import staged_payload
+        from .coordination.gcpause import paused_gc
+        from .storage.pending import staged_payload
         flat = dict(values)  # the values first, then the tensors, as before
         flat.update(self.views)
         with paused_gc():
@@ -618,7 +618,7 @@ def _encoded(metadata) -> Optional[bytes]:
     int keys.  None: the reply pickles the Metadata."""
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from ._metadata import dumps
+    from .formats.metadata import dumps
     if type(metadata) is not Metadata or not all(
             type(p) in (str, int) for path in (metadata.planner_data or {}).values()
             for p in path):
@@ -629,8 +629,8 @@ def _encoded(metadata) -> Optional[bytes]:
 def _write_entries(writer, base: Optional[torch.Tensor], prefix: str, tensors, others):
     """Write a rank's entries: tensors as views of the shared buffer, the
     rest (bytes, tensors sent by value) as they came."""
-    from ._dist import write_files
-    from ._pending import _Entry, staged_payload
+    from .coordination.dist import write_files
+    from .storage.pending import _Entry, staged_payload
     entries = []
     for index, offset, dtype, shape in tensors:
         t = _view_of(base, offset, dtype, shape)
@@ -654,7 +654,7 @@ def _torch_request(msg: tuple, buffers: dict, parent: int) -> Any:
 
     from ._api import save
     _, writer, planner, use_collectives, staged, committed = msg
-    from ._writer import FileSystemWriter
+    from .storage.writer import FileSystemWriter
     if isinstance(writer, FileSystemWriter) and committed is not False:
         writer._commit_check = lambda w: _orphan_check(parent, committed, w)
     elif not isinstance(writer, FileSystemWriter):

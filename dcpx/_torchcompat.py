@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import metadata as _md
 # ``local_offsets`` / ``local_sizes`` is saved and loaded by torch's planner
 # as shards of a larger global tensor, not as a tensor of its own shape.
 # dcpx's own planner does not do that, so such values take torch's planner
-# (``dcpx._plan.plain_tensor`` is False for them).  torch 2.4 - 2.13 have no
+# (``dcpx.coordination.plan.plain_tensor`` is False for them).  torch 2.4 - 2.13 have no
 # such protocol: a tensor is what its shape says there.
 try:
     from torch.distributed.checkpoint.protocol import (

@@ -4,20 +4,20 @@ protocols, backed by dcpx's C core (the public home of both, as
 
 They plug into torch's own ``dcp.save`` / ``dcp.load`` machinery (process
 groups, DTensor planners, resharding), and dcpx's own planner
-(``dcpx._api``, ``dcpx._dist``) calls the same pieces directly.
+(``dcpx._api``, ``dcpx.coordination.dist``) calls the same pieces directly.
 
 The code lives in one module per concern, in the order a tensor passes
 through them (docs/design.md, "Python modules"):
 
-* ``dcpx._pending``: what the C writer is handed for each value, and the
+* ``dcpx.storage.pending``: what the C writer is handed for each value, and the
   data files being written (``PendingWrite``);
-* ``dcpx._writer``: ``FileSystemWriter``;
-* ``dcpx._commit``: the atomic commit and cleanup;
-* ``dcpx._reader``: ``FileSystemReader``;
-* ``dcpx._files``: file names, paths and opening checkpoint files.
+* ``dcpx.storage.writer``: ``FileSystemWriter``;
+* ``dcpx.storage.commit``: the atomic commit and cleanup;
+* ``dcpx.storage.reader``: ``FileSystemReader``;
+* ``dcpx.formats.files``: file names, paths and opening checkpoint files.
 """
-from ._commit import commit  # noqa: F401
-from ._files import (  # noqa: F401
+from .storage.commit import commit  # noqa: F401
+from .formats.files import (  # noqa: F401
     _DATA_FILE,
     _TAGGED_DATA_FILE,
     _TMP_METADATA,
@@ -35,9 +35,9 @@ from ._files import (  # noqa: F401
 
 # A save's locks are part of the commit protocol (docs/format.md): tools that
 # must tell a live save from a dead one (the CheckpointManager's retention)
-# ask through these, not through dcpx._locks.
-from ._locks import DEAD, LIVE, NO_LOCKS, UNKNOWN, save_lock_state  # noqa: F401
-from ._pending import (  # noqa: F401
+# ask through these, not through dcpx.storage.locks.
+from .storage.locks import DEAD, LIVE, NO_LOCKS, UNKNOWN, save_lock_state  # noqa: F401
+from .storage.pending import (  # noqa: F401
     LazyItem,
     PendingWrite,
     _buckets,
@@ -47,13 +47,15 @@ from ._pending import (  # noqa: F401
     tensor_payload,
     value_payload,
 )
-from ._byteorder import archive_byteorder, swap_untyped, tensors_within  # noqa: F401  (the CLI's torch.save source)
-from ._flatten import flatten_state_dict  # noqa: F401  (the CLI reads torch.save files by it)
-from ._fmt_safetensors import is_raw  # noqa: F401  (a SAFETENSORS tensor's resolved entry)
-from ._reader import FileSystemReader, check_castable, check_zip_crcs  # noqa: F401
+from .formats.byteorder import (
+    archive_byteorder, swap_untyped, tensors_within,
+)  # noqa: F401  (the CLI's torch.save source)
+from .coordination.flatten import flatten_state_dict  # noqa: F401  (the CLI reads torch.save files by it)
+from .formats.safetensors import is_raw  # noqa: F401  (a SAFETENSORS tensor's resolved entry)
+from .storage.reader import FileSystemReader, check_castable, check_zip_crcs  # noqa: F401
 from ._torchcompat import (  # noqa: F401  (convert's torch.save writer)
     torch_file_writer, torch_save_alignment, torch_save_header)
-from ._writer import FileSystemWriter, _path_key, _RankPath, complete_metadata  # noqa: F401
+from .storage.writer import FileSystemWriter, _path_key, _RankPath, complete_metadata  # noqa: F401
 
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "LazyItem"]
@@ -62,6 +64,9 @@ __all__ = ["FileSystemWriter", "FileSystemReader", "LazyItem"]
 # _reader): a pickled writer (PROCESS checkpointing) stays loadable.
 FileSystemWriter.__module__ = FileSystemReader.__module__ = LazyItem.__module__ = __name__
 
+# A run's step folders (dcpx.CheckpointManager, its tier, dcpx ls).
+from .storage.steps import DELETING_PREFIX, STEP_RE, info_mtime, local_step, step_dir  # noqa: E402,F401
+
 # The node-local tier's files (pieces, and the persistent step assembled
-# from them): dcpx.tiers moves them between ranks, dcpx._pieces writes them.
-from . import _pieces as pieces  # noqa: E402,F401
+# from them): dcpx.tiers moves them between ranks, dcpx.storage.pieces writes them.
+from .storage import pieces  # noqa: E402,F401

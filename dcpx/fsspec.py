@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _fmt_safetensors, _metadata
+from .formats import safetensors as _fmt_safetensors, metadata as _metadata
 from .errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .filesystem import (
     FileSystemReader,
@@ -485,7 +485,7 @@ class FsspecReader(StorageReader):
                 # local space and memory a load needs are bounded, not the
                 # size of what it loads.
                 # The local reader's entries are resolved (a SAFETENSORS
-                # tensor's to its own bytes, dcpx._formats): fetch those.
+                # tensor's to its own bytes, dcpx.formats.entries): fetch those.
                 resolved = local.storage_data
                 for items in self._turns(plan.items):
                     touched = self._fetch(tmp, [resolved[r.storage_index] for r in items])
@@ -580,7 +580,7 @@ class FsspecReader(StorageReader):
     def _fetch_safetensors_headers(self, tmp: str) -> set:
         """The headers of the SAFETENSORS blobs the metadata may hold (its
         u64 length, then the JSON), fetched before the local reader is set
-        up: it recognises and checks the format there (dcpx._formats), and
+        up: it recognises and checks the format there (dcpx.formats.entries), and
         they are freed once it is.  Together at most what the metadata
         allows them (``_fmt_safetensors.header_budget``): a longer one is
         not fetched, and the local reader refuses it, as a truncated one.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import io
 import os
-import re
 import shutil
 import signal
 import stat
@@ -43,7 +42,9 @@ from .errors import (
     own_failure,
 )
 from .tiers import LocalTier
-from .filesystem import (
+from .filesystem import (  # noqa: F401  (DELETING_PREFIX, STEP_RE: the manager's names too)
+    DELETING_PREFIX,
+    STEP_RE,
     DEAD,
     LIVE,
     LOCAL_PROTOCOLS,
@@ -51,17 +52,16 @@ from .filesystem import (
     NO_LOCKS,
     UNKNOWN,
     FileSystemReader,
+    info_mtime,
     local_path,
+    local_step,
     save_lock_state,
+    step_dir,
     url_protocol,
 )
 
 __all__ = ["CheckpointManager", "StepSkippedWarning"]
 
-#: a step folder: ``step-{N}`` (torchtitan's ``_create_checkpoint_id``)
-STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)\Z")  # \Z: "$" matches before a final "\n"
-#: a step being deleted (renamed first, so that it is never seen as a step)
-DELETING_PREFIX = ".deleting-"
 _METADATA = METADATA_FN
 _MODES = {"sync": None, "async": AsyncCheckpointerType.THREAD,
           "process": AsyncCheckpointerType.PROCESS}
@@ -169,22 +169,6 @@ def _verify_checkpoint():
     the manager's full check is exactly what ``dcpx verify`` reports."""
     from .cli.verify import verify_checkpoint
     return verify_checkpoint
-
-
-def _step_dir(step: int) -> str:
-    return f"step-{int(step)}"
-
-
-def local_step(root: Union[str, os.PathLike], name: str) -> Optional[int]:
-    """The step number of the entry ``name`` of the local folder ``root``,
-    or None when it is not a step: the one rule for what a step is, used by
-    the manager and by ``dcpx ls``.  A step is a folder (or a link to one)
-    named ``step-{N}``; a file, a FIFO, a link to nothing or a link loop
-    with that name is not."""
-    m = STEP_RE.match(name)
-    if m is None or not os.path.isdir(os.path.join(root, name)):
-        return None
-    return int(m.group(1))
 
 
 def _not_a_step(manager: Any, name: str) -> None:
@@ -317,17 +301,6 @@ class _LocalRoot:
                     f"dcpx.CheckpointManager: {path}: not a regular file of at most "
                     f"{_MAX_USER_METADATA} bytes")
             return f.read()
-
-
-def info_mtime(info: dict) -> Optional[float]:
-    """A file's modification time (seconds since the epoch) from an fsspec
-    ``ls(detail=True)`` / ``info`` entry, as the store names it (local:
-    ``mtime``, memory: ``created``, s3: ``LastModified``); None if the
-    store gives none."""
-    t = info.get("mtime") or info.get("created") or info.get("LastModified")
-    if hasattr(t, "timestamp"):
-        t = t.timestamp()
-    return float(t) if isinstance(t, (int, float)) else None
 
 
 class _FsspecRoot:
@@ -623,7 +596,7 @@ class CheckpointManager:
         self.wait()
         if preempted and self._last_saved == step:
             return None  # the final checkpoint is the one just saved
-        name = _step_dir(step)
+        name = step_dir(step)
         state_dict, _ = wrap_state_dict(state_dict, "dcpx.CheckpointManager.save")
         with self._lock:
             self._writing.add(step)
@@ -821,14 +794,14 @@ class CheckpointManager:
         now = time.time()
 
         def untouched(s: int) -> bool:
-            mtime = self._root.newest_mtime(_step_dir(s))
+            mtime = self._root.newest_mtime(step_dir(s))
             return mtime is not None and now - mtime > self.incomplete_grace_s
 
         doomed = []
         for s in committed:
             if s in keep:
                 continue
-            state = self._root.save_state(_step_dir(s))
+            state = self._root.save_state(step_dir(s))
             if state == LIVE:  # a save into it again, in progress
                 continue
             if state == UNKNOWN and not untouched(s):  # no flock: cannot tell
@@ -837,7 +810,7 @@ class CheckpointManager:
         for s in uncommitted:  # interrupted saves, once surely not in progress
             if s in keep or s > committed[-1]:
                 continue
-            state = self._root.save_state(_step_dir(s))
+            state = self._root.save_state(step_dir(s))
             if state == DEAD or (state != LIVE and untouched(s)):
                 doomed.append(s)
         return sorted(doomed)
@@ -879,13 +852,13 @@ class CheckpointManager:
             with self._lock:  # a save of this step cannot start meanwhile
                 if s in self._writing:
                     continue
-                hidden = self._root.hide(_step_dir(s))
+                hidden = self._root.hide(step_dir(s))
             if hidden is None:
                 continue
             # A save that took its lock between the check and the rename:
             # give the folder back (else that save fails: its folder is gone).
             if (self._root.save_state(hidden) == LIVE
-                    and self._root.unhide(hidden, _step_dir(s))):
+                    and self._root.unhide(hidden, step_dir(s))):
                 continue
             self._root.remove(hidden)
             deleted.append(s)
@@ -894,7 +867,7 @@ class CheckpointManager:
     def _read_back_error(self, step: int) -> Optional[Exception]:
         """Why the step's metadata does not read back; None if it does."""
         try:
-            self._root.reader(_step_dir(step)).read_metadata()
+            self._root.reader(step_dir(step)).read_metadata()
         except Exception as e:
             return e
         return None
@@ -904,7 +877,7 @@ class CheckpointManager:
         """None if the step passes the check, else why not (a string), or
         ``("unsafe", message)`` when the safe loader refused a value: the
         caller raises that on every rank (not damage: no older step)."""
-        name = _step_dir(step)
+        name = step_dir(step)
         try:
             self._root.reader(name).read_metadata()
         except UnsafeCheckpointError as e:
@@ -933,7 +906,7 @@ class CheckpointManager:
         committed, uncommitted = self._scan()
         if step is not None:
             return [int(step)], []
-        notes = [f"{_step_dir(s)}: not committed (no .metadata: the save was interrupted "
+        notes = [f"{step_dir(s)}: not committed (no .metadata: the save was interrupted "
                  f"or is still in progress)"
                  for s in reversed(uncommitted) if not committed or s > committed[-1]]
         return list(reversed(committed)), notes
@@ -960,9 +933,9 @@ class CheckpointManager:
         step is at fault.  An error of the state dict itself is raised."""
         kw: dict[str, Any] = {"process_group": self.process_group}
         if isinstance(self._root, _FsspecRoot) or self.load_options:
-            kw["storage_reader"] = self._root.reader(_step_dir(step))
+            kw["storage_reader"] = self._root.reader(step_dir(step))
         else:
-            kw["checkpoint_id"] = self._root.checkpoint_id(_step_dir(step))
+            kw["checkpoint_id"] = self._root.checkpoint_id(step_dir(step))
         err: Optional[BaseException] = None
         kind = "ok"
         try:
@@ -983,7 +956,7 @@ class CheckpointManager:
         if any(k == "user" for k, _ in outcomes) or not any(k == "step" for k, _ in outcomes):
             if err is not None:
                 raise err
-            raise CheckpointError(f"dcpx.CheckpointManager: loading {_step_dir(step)} failed on "
+            raise CheckpointError(f"dcpx.CheckpointManager: loading {step_dir(step)} failed on "
                                   f"another rank: " + "; ".join(m for _, m in outcomes if m))
         return "its load failed: " + next(m for k, m in outcomes if k == "step")
 
@@ -1052,7 +1025,7 @@ class CheckpointManager:
                     for k in state_dict.keys() - wrapped:  # values dcpx.load replaced
                         state_dict[k] = target[k]
                     return s
-            failures.append(f"{_step_dir(s)}: {why}")
+            failures.append(f"{step_dir(s)}: {why}")
             if step is None:
                 warnings.warn(f"dcpx.CheckpointManager.load: skipped {failures[-1]}"
                               f"{'' if s == candidates[-1] else '; trying an older step'}",
@@ -1064,7 +1037,7 @@ class CheckpointManager:
     def step_metadata(self, step: int) -> dict:
         """The user metadata saved with ``step`` (``save(..., metadata=)``),
         without loading any tensor; ``{}`` if it was saved without."""
-        data = self._root.read_file(_step_dir(step), USER_METADATA_FN)
+        data = self._root.read_file(step_dir(step), USER_METADATA_FN)
         if data is None:
             return {}
         import json
@@ -1072,11 +1045,11 @@ class CheckpointManager:
             out = json.loads(data)
         except ValueError as e:
             raise CorruptCheckpointError(
-                f"dcpx.CheckpointManager: {self._root.checkpoint_id(_step_dir(step))}/"
+                f"dcpx.CheckpointManager: {self._root.checkpoint_id(step_dir(step))}/"
                 f"{USER_METADATA_FN}: not JSON: {e}") from None
         if not isinstance(out, dict):
             raise CorruptCheckpointError(
-                f"dcpx.CheckpointManager: {self._root.checkpoint_id(_step_dir(step))}/"
+                f"dcpx.CheckpointManager: {self._root.checkpoint_id(step_dir(step))}/"
                 f"{USER_METADATA_FN}: not a JSON object")
         return out
 
@@ -1174,8 +1147,8 @@ class CheckpointManager:
             if step is None:
                 raise CheckpointError(f"dcpx.CheckpointManager.export: no committed step "
                                       f"under {self.root}")
-        elif not self._root.committed(_step_dir(step)):
-            raise CheckpointError(f"dcpx.CheckpointManager.export: {_step_dir(step)} under "
+        elif not self._root.committed(step_dir(step)):
+            raise CheckpointError(f"dcpx.CheckpointManager.export: {step_dir(step)} under "
                                   f"{self.root} is not a committed step")
         from .cli.convert import convert
         out = os.fspath(dest)
@@ -1183,7 +1156,7 @@ class CheckpointManager:
             os.makedirs(out, exist_ok=True)
             out = os.path.join(out, "model.safetensors")
         pre = prefix.rstrip(".") + "."
-        convert(self._root.checkpoint_id(_step_dir(step)), out, to="safetensors",
+        convert(self._root.checkpoint_id(step_dir(step)), out, to="safetensors",
                 max_shard_size=max_shard_size, overwrite=overwrite, only=[pre],
                 strip_prefix=pre, out=io.StringIO())
         return out
@@ -1198,7 +1171,7 @@ class CheckpointManager:
         step = int(step)
         if not self._is_deleter():
             return False
-        name = _step_dir(step)
+        name = step_dir(step)
         self.wait_for_retention()
         if name not in self._root.names():
             return False

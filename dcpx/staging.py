@@ -46,10 +46,10 @@ from typing import Any, Optional
 import torch
 
 from . import _C
-from ._dtypes import _TO_DLPACK, dlpack_export, dlpack_view
-from ._flatten import flatten_state_dict
-from ._gc import paused_gc
-from ._pending import check_saveable, staged_payload, value_payload
+from .formats.dtypes import _TO_DLPACK, dlpack_export, dlpack_view
+from .coordination.flatten import flatten_state_dict
+from .coordination.gcpause import paused_gc
+from .storage.pending import check_saveable, staged_payload, value_payload
 from ._torchcompat import (
     any_checkpointable_tensor,
     copy_checkpointable_attrs,
@@ -170,7 +170,7 @@ class UploadScan:
         keys = list(flat)
         cache = self._cache
         if cache is None or cache[0] != keys or cache[5] is not base:
-            from . import _plan
+            from .coordination import plan as _plan
             sig, payloads = _plan.scan(flat, staged_payload)
             stypes = [p[1] for k, p in zip(keys, payloads) if k in views]
             staged = [k for k in keys if k in views]

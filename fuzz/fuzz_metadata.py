@@ -2,7 +2,7 @@
 """Coverage-guided fuzzing (atheris) of dcpx's parsers of untrusted bytes that
 Python code reaches:
 
-* ``dcpx._metadata.loads(data, path)`` -> a ``Metadata``, or
+* ``dcpx.formats.metadata.loads(data, path)`` -> a ``Metadata``, or
   ``CorruptCheckpointError`` (``UnsafeCheckpointError`` is a subclass).
   Findings: any other exception type; a global resolved that is not the
   allow-listed object for its (module, name); a returned object graph holding
@@ -15,7 +15,7 @@ Python code reaches:
   index and every length that ``pickletools.genops`` decodes lies within
   the data, as the scan promises.
 
-Every input goes through all three.  Coverage feedback comes from dcpx._metadata
+Every input goes through all three.  Coverage feedback comes from dcpx.formats.metadata
 and from an instrumented copy of the pure-Python pickle Unpickler that is
 run on the same bytes with the same allow-list (its outcome is not judged:
 it only guides the mutator through the pickle opcodes, which the C
@@ -63,7 +63,8 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402,F401  (imported before atheris, uninstrumented: far too big)
 from torch.distributed.checkpoint import metadata as _md  # noqa: E402
 
-from dcpx import _C, _metadata  # noqa: E402
+from dcpx import _C  # noqa: E402
+from dcpx.formats import metadata as _metadata
 from dcpx.errors import CorruptCheckpointError  # noqa: E402
 
 ALLOWED = _metadata._allowed()

@@ -1,5 +1,5 @@
 /* libFuzzer target for csrc/picklescan.c, the opcode scan that
- * dcpx._metadata.loads runs over a .metadata pickle before CPython's
+ * dcpx.formats.metadata.loads runs over a .metadata pickle before CPython's
  * unpickler sees it (dcpx._C.check_pickle).  picklescan.c is #included so
  * that its static scan() can be called on the raw input; its Python wrapper
  * makes this target link libpython, which it never calls.

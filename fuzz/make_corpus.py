@@ -35,7 +35,7 @@ import torch
 import torch.distributed.checkpoint as tdcp
 
 import dcpx
-from dcpx import _metadata
+from dcpx.formats import metadata as _metadata
 
 warnings.filterwarnings("ignore")
 

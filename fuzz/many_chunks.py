@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpx import _chunks, _metadata
+from dcpx.formats import chunks as _chunks, metadata as _metadata
 from dcpx.errors import CorruptCheckpointError
 
 LAYOUTS = ("rows", "grid", "shuffled", "repeats", "overlaps")

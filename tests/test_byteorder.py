@@ -22,7 +22,7 @@ import torch
 import torch.distributed.checkpoint as tdcp
 
 import dcpx
-from dcpx._readplan import clear
+from dcpx.coordination.readplan import clear
 from dcpx.cli import main as cli_main
 from dcpx.cli.verify import verify_checkpoint
 from dcpx.errors import CorruptCheckpointError
@@ -287,7 +287,7 @@ def test_records_left_to_torch_load_are_swapped_too(tmp_path, monkeypatch):
     """A record the C reader leaves to torch.load (FileSystemReader.
     _fallback_read: views of a larger storage, a byteorder record far from
     the start): torch.load swaps the typed storages, dcpx the untyped ones."""
-    from dcpx._reader import _TensorRead
+    from dcpx.storage.reader import _TensorRead
     sd = {"f": _values(torch.float32), "h": _values(torch.uint16), "c": _values(torch.complex64)}
     save_big_dcp(monkeypatch, sd, tmp_path / "ck")
     reader = dcpx.FileSystemReader(tmp_path / "ck")
@@ -304,7 +304,7 @@ def test_records_left_to_torch_load_are_swapped_too(tmp_path, monkeypatch):
 def test_big_endian_without_crcs(tmp_path, monkeypatch, capsys):
     """Both at once (torch.serialization.set_crc32_options(False) on a
     big-endian host): the byteorder record has no CRC either."""
-    from dcpx._reader import _TensorRead
+    from dcpx.storage.reader import _TensorRead
     sd = {"f": _values(torch.float64), "h": _values(torch.uint32)}
     torch.serialization.set_crc32_options(False)
     try:

@@ -18,7 +18,7 @@ import torch
 
 import dcpx
 import dcpx.__main__ as cli
-from dcpx._metadata import METADATA_FN
+from dcpx.formats.metadata import METADATA_FN
 
 from conftest import flip_byte, locate
 

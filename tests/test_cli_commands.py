@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as tdcp
 
 import dcpx
 from dcpx.cli import main
-from dcpx._metadata import METADATA_FN
+from dcpx.formats.metadata import METADATA_FN
 
 from conftest import assert_bit_equal, make_tensor, safe_loader_takes_numpy, torch_save_supports
 

@@ -164,15 +164,15 @@ def test_async_saves_from_two_threads_do_not_wait_for_each_other_forever(tmp_pat
     and queues its upload first; the one upload thread would then run B's
     upload, which waits for A's turn, while A's upload is queued behind it.
     Taking the turn and queueing the upload are one step."""
-    import dcpx._locks
-    real = dcpx._locks.gate
+    import dcpx.storage.locks
+    real = dcpx.storage.locks.gate
 
     def slow_gate(staged, turn):
         if threading.current_thread().name == "A":
             time.sleep(0.3)  # between A's turn and A's upload being queued
         return real(staged, turn)
 
-    monkeypatch.setattr(dcpx._locks, "gate", slow_gate)
+    monkeypatch.setattr(dcpx.storage.locks, "gate", slow_gate)
     d = tmp_path / "ckpt"
     futures = {}
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as tdcp
 
 import dcpx
-from dcpx._readplan import clear
+from dcpx.coordination.readplan import clear
 from dcpx.cli.verify import verify_checkpoint
 from dcpx.errors import CorruptCheckpointError
 

@@ -926,12 +926,12 @@ class _CudaTarget(_TorchLike):
 
 @pytest.fixture
 def reader_cuda(lib, monkeypatch):
-    """dcpx._reader with a small page-locked load buffer (so that loads
+    """dcpx.storage.reader with a small page-locked load buffer (so that loads
     span several batches and one chunk exceeds it) and the stand-in's
     device streams as torch's current streams."""
     from types import SimpleNamespace
 
-    from dcpx import _reader as filesystem
+    from dcpx.storage import reader as filesystem
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda dev: SimpleNamespace(cuda_stream=lib.devices[dev.index].stream))
     monkeypatch.setattr(filesystem, "_PINNED_LOAD", 16384)
@@ -1298,7 +1298,7 @@ def _wait_for(cond, what: str) -> None:
 
 
 def _gated_job(tmp_path, buf, offs, sizes, gate, keys):
-    from dcpx._dtypes import dlpack_export, dlpack_view
+    from dcpx.formats.dtypes import dlpack_export, dlpack_view
     files = []
     for k, o, n in zip(keys, offs, sizes):
         item = (dlpack_export(dlpack_view(buf[o:o + n])), "ByteStorage", gate)

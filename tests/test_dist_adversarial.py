@@ -396,7 +396,7 @@ def check_abort_torch_save_warns_nothing(ctx):
     import warnings
 
     import torch.distributed.checkpoint as tdcp
-    from dcpx import _dist
+    from dcpx.coordination import dist as _dist
 
     path = ctx.path("abort_torch")
     writer = tdcp.FileSystemWriter(path)

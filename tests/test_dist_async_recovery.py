@@ -128,7 +128,7 @@ def _one_rank_fails_after_the_collectives(rank, world_size, path):
     after dcpx's coordination returned), so rank 0 sees success.  Both must
     still rebuild at the next save (else they would meet on different
     groups and that save would hang until the timeout)."""
-    from dcpx import _dist
+    from dcpx.coordination import dist as _dist
 
     def pg_now():
         (group,) = _dist._async_groups.values()

@@ -1,4 +1,4 @@
-"""The save's plan exchange by digest (dcpx/_dist.py, docs/design.md "Plan
+"""The save's plan exchange by digest (dcpx/coordination/dist.py, docs/design.md "Plan
 exchange by digest"): a rank whose plan is the one it sent last time on the
 same group sends only its digest, the coordinator answers with a token for
 the rank's share of the global plan, and anything that does not match goes
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import dcpx
 from conftest import assert_bit_equal
-from dcpx import _dist
+from dcpx.coordination import dist as _dist
 from dist_helpers import CheckSession, dtensor_of, full_value
 
 WORLD = 2

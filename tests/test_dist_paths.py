@@ -134,7 +134,7 @@ def test_disagreeing_paths_2_ranks(session, check):
 
 
 def test_error_text_groups_ranks_by_path():
-    from dcpx._files import disagreeing_paths
+    from dcpx.formats.files import disagreeing_paths
 
     assert disagreeing_paths(["/a", "/a", None]) is None
     msg = disagreeing_paths(["/a", "/b", "/a", "/a", "/c", "/c"])

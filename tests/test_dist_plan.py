@@ -1,4 +1,4 @@
-"""Unit tests of dcpx's multi-process planning (dcpx/_dist.py) that need no
+"""Unit tests of dcpx's multi-process planning (dcpx/coordination/dist.py) that need no
 process group: the coordinator's dedup and metadata, load-time overlap
 search, coverage checks, and the lazily decoded Metadata of non-coordinator
 ranks.  The spawned multi-rank tests are in test_dist_*.py."""
@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcpx import _dist, _metadata
+from dcpx.coordination import dist as _dist
+from dcpx.formats import metadata as _metadata
 from dcpx.errors import CheckpointError
 
 

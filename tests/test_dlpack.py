@@ -449,13 +449,13 @@ def test_read_items_error_after_a_good_item_releases_it(tmp_path, bad):
 
 
 # --------------------------------------------------------------------------
-# Capsules made by the caller (dcpx._dtypes.dlpack_export)
+# Capsules made by the caller (dcpx.formats.dtypes.dlpack_export)
 
 def test_caller_made_capsule_is_consumed_once_and_released():
     """A capsule from torch's C exporter is taken as is: renamed used_*, its
     deleter run exactly once (the tensor's C++ use count comes back), and a
     second use is refused with a TypeError instead of a double free."""
-    from dcpx._dtypes import dlpack_export
+    from dcpx.formats.dtypes import dlpack_export
     t = torch.arange(12, dtype=torch.float32)
     before = refs(t)
     cap = dlpack_export(t)
@@ -472,7 +472,7 @@ def test_caller_made_capsule_is_consumed_once_and_released():
 
 
 def test_unconsumed_capsule_releases_on_its_own():
-    from dcpx._dtypes import dlpack_export
+    from dcpx.formats.dtypes import dlpack_export
     t = torch.ones(5)
     before = refs(t)
     cap = dlpack_export(t)
@@ -488,13 +488,13 @@ def test_unconsumed_capsule_releases_on_its_own():
 def test_dlpack_export_leaves_special_tensors_to_dlpack(make):
     """Only plain, detached CPU tensors get a capsule; others go through
     __dlpack__ (and its checks)."""
-    from dcpx._dtypes import dlpack_export
+    from dcpx.formats.dtypes import dlpack_export
     t = make()
     assert dlpack_export(t) is t
 
 
 def test_write_job_with_capsules_writes_the_same_bytes(tmp_path):
-    from dcpx._dtypes import dlpack_export
+    from dcpx.formats.dtypes import dlpack_export
     a = torch.arange(1000, dtype=torch.int32)
     b = torch.randn(7, 9)
     job = _C.WriteJob([(str(tmp_path / "f"), [(dlpack_export(a), "IntStorage"),

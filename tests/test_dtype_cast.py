@@ -226,13 +226,13 @@ def test_temporaries_are_bounded_and_batched(tmp_path, monkeypatch):
     real = dcpx.filesystem.FileSystemReader._read_batch
 
     def spy(self, direct, staged):
-        assert all(dcpx._reader._reads_in_place(r) for r in direct)
-        assert not any(dcpx._reader._reads_in_place(r) for r in staged)
+        assert all(dcpx.storage.reader._reads_in_place(r) for r in direct)
+        assert not any(dcpx.storage.reader._reads_in_place(r) for r in staged)
         batches.append(([r.key for r in direct],
                         sum(r.chunk.numel() * r.dtype.itemsize for r in staged)))
         return real(self, direct, staged)
     monkeypatch.setattr(dcpx.filesystem.FileSystemReader, "_read_batch", spy)
-    monkeypatch.setattr(dcpx._reader, "_TEMP_BUDGET", 3 * 33 * 17 * 4)
+    monkeypatch.setattr(dcpx.storage.reader, "_TEMP_BUDGET", 3 * 33 * 17 * 4)
     got = {k: torch.zeros(33, 17, dtype=torch.bfloat16) for k in state}
     got["w0"] = torch.zeros(33, 17)  # same dtype: read in place, no temporary
     dcpx.load(got, checkpoint_id=tmp_path)

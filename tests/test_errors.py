@@ -195,7 +195,7 @@ def test_metadata_pickle_that_runs_code_is_refused(saved, with_trailer):
     witness = os.path.join(path, "pwned")
     body = pickle.dumps(RunsShell(f"echo pwned > {witness}"))
     if with_trailer:  # a correct checksum does not make it trusted
-        from dcpx import _metadata
+        from dcpx.formats import metadata as _metadata
         body += _metadata._TRAILER.pack(_metadata._TRAILER_MAGIC, dcpx._C.crc32(body), len(body))
     with open(os.path.join(path, ".metadata"), "wb") as f:
         f.write(body)

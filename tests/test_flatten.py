@@ -1,4 +1,4 @@
-"""The state dict walk: ``dcpx._flatten.flatten_state_dict`` (the C walk in
+"""The state dict walk: ``dcpx.coordination.flatten.flatten_state_dict`` (the C walk in
 csrc/flatten.c, torch's function where it cannot be sure) returns exactly
 what torch's ``flatten_state_dict`` returns.
 
@@ -29,7 +29,7 @@ except ImportError:  # torch 2.4 has no _version (nor the 2.3 fallback walk)
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict as torch_flatten
 
 from dcpx import _C
-from dcpx._flatten import flatten_state_dict
+from dcpx.coordination.flatten import flatten_state_dict
 
 
 def _outcome(fn, sd):
@@ -424,7 +424,7 @@ def test_mapping_registry_change_falls_back():
         import torch
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict as F
         from dcpx import _C
-        from dcpx._flatten import flatten_state_dict
+        from dcpx.coordination.flatten import flatten_state_dict
         sd = {"a": (1, 2), "b": {"c": torch.zeros(1)}}
         assert _C.flatten_state_dict(sd) is not None
         Mapping.register(tuple)
@@ -565,7 +565,7 @@ def test_save_load_and_async_save_use_the_c_walk(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as tdcp
 
     import dcpx
-    from dcpx import _flatten
+    from dcpx.coordination import flatten as _flatten
 
     def no(sd):
         raise AssertionError("torch's flatten_state_dict called")

@@ -5,7 +5,7 @@ Python reaches, and keep a short random-mutation search running in CI.
 Contracts (see fuzz/README.md):
   dcpx._C.parse_archive(bytes)   -> dict, or ValueError
   dcpx._C.check_pickle(bytes)    -> None, or ValueError
-  dcpx._metadata.loads(bytes, p) -> Metadata, or CorruptCheckpointError
+  dcpx.formats.metadata.loads(bytes, p) -> Metadata, or CorruptCheckpointError
                                     (UnsafeCheckpointError is a subclass)
 
 libFuzzer inputs start with a mode byte (fuzz_zipread) or a 9-byte header
@@ -37,7 +37,8 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
 
 import dcpx
-from dcpx import _C, _metadata
+from dcpx import _C
+from dcpx.formats import metadata as _metadata
 from dcpx.errors import CorruptCheckpointError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 import dcpx
-from dcpx._readplan import clear
+from dcpx.coordination.readplan import clear
 from dcpx.cli import main as cli_main
 
 

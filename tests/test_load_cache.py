@@ -1,4 +1,4 @@
-"""The load side's cache (dcpx/_readplan.py): the checked metadata of a
+"""The load side's cache (dcpx/coordination/readplan.py): the checked metadata of a
 checkpoint and a compiled read plan per destination layout are reused by
 later loads, and never serve anything but what a load without the cache
 would: the new data after a new save, an error for corrupted data on every
@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as tdcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 import dcpx
-from dcpx import _metadata, _readplan
+from dcpx.formats import metadata as _metadata
+from dcpx.coordination import readplan as _readplan
 from dcpx.errors import CorruptCheckpointError
 
 from conftest import assert_bit_equal, fast_writer, flip_byte, locate
@@ -268,7 +269,7 @@ def test_c_reader_reads_unsorted_items_and_runs(tmp_path):
     reader = dcpx.FileSystemReader(path)
     md = reader.read_metadata()
     reader.set_up_storage_reader(md, True)
-    from dcpx._reader import _TensorRead
+    from dcpx.storage.reader import _TensorRead
     reads = []
     for index, info in reversed(list(md.storage_data.items())):
         ch = md.state_dict_metadata[index.fqn].chunks[0]

@@ -1,5 +1,5 @@
 """The load fast paths (the C metadata decoder csrc/mdindex.c, the read
-plans of csrc/reader.c and the cache of dcpx/_readplan.py) against
+plans of csrc/reader.c and the cache of dcpx/coordination/readplan.py) against
 torch.distributed.checkpoint.load on the same checkpoint: every load gives
 torch's result bit for bit, or an error naming the key or file where torch
 fails too (or dcpx is stricter: corrupt data).  Scenarios: checkpoints
@@ -22,7 +22,8 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import dcpx
-from dcpx import _metadata, _readplan
+from dcpx.formats import metadata as _metadata
+from dcpx.coordination import readplan as _readplan
 from dcpx.errors import CorruptCheckpointError
 
 from conftest import assert_bit_equal, flip_byte, locate, torch_save_supports

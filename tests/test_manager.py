@@ -227,7 +227,7 @@ def test_interrupted_deletion_ignored_and_cleaned(tmp_path):
 # ------------------------------------------- retention and other processes' saves
 
 # A save in another process, paused (SIGSTOP) right after it took its save
-# lock (dcpx/_locks.py): from then until its commit or failure it is live.
+# lock (dcpx/storage/locks.py): from then until its commit or failure it is live.
 PAUSED_SAVE_CHILD = r"""
 import os, signal, sys
 import torch
@@ -332,7 +332,7 @@ def test_retention_never_deletes_committed_step_being_saved_again(tmp_path):
 def test_retention_gives_folder_back_to_save_that_locked_it_meanwhile(tmp_path, monkeypatch):
     """A save that takes its lock between the pass's check and its rename:
     the pass sees the lock held in the renamed folder and renames it back."""
-    from dcpx import _locks
+    from dcpx.storage import locks as _locks
     from dcpx import manager as mgr
 
     with CheckpointManager(tmp_path, async_mode="sync") as m:
@@ -364,7 +364,7 @@ def test_retention_without_flock_falls_back_to_grace_period(tmp_path, monkeypatc
     on a file system with flock is dead at once."""
     import errno as errno_
     import fcntl
-    from dcpx import _locks
+    from dcpx.storage import locks as _locks
 
     with CheckpointManager(tmp_path, async_mode="sync") as m:
         for s in (1, 3):

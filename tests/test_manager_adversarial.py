@@ -4,7 +4,7 @@ step, steps saved again out of order, torch-written steps, foreign folders,
 interrupted deletions), and corrupt records whose damage zipfile reports as
 something other than a bad archive.  No subprocess kills: each test builds
 the state a crash or a bad disk would leave (docs/reliability.md,
-dcpx/_commit.py) and checks what the manager and the CLI make of it.
+dcpx/storage/commit.py) and checks what the manager and the CLI make of it.
 
 Each test takes well under a second."""
 from __future__ import annotations

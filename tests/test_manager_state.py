@@ -226,8 +226,9 @@ def test_fsdp2_raw_objects_resume_bit_exact(tmp_path):
 
 def test_md_index_len_counts_the_keys(tmp_path):
     """The count the unloaded-keys check compares (C decoder's tables)."""
-    from dcpx import _C, _dist
-    from dcpx._reader import FileSystemReader
+    from dcpx import _C
+    from dcpx.coordination import dist as _dist
+    from dcpx.storage.reader import FileSystemReader
     sd = {"a": torch.ones(2), "b": {"c": torch.zeros(3), "d": 4}, "e": [1, torch.ones(1)]}
     dcpx.save(sd, checkpoint_id=tmp_path)
     ck = _dist.open_checkpoint(FileSystemReader(tmp_path))

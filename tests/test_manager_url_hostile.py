@@ -134,7 +134,7 @@ def test_names_with_a_trailing_newline_are_not_steps_pieces_or_files(tmp_path):
     the manager's step 9 (whose checkpoint_id, root/step-9, is another
     folder), and a piece index could name "__0_0.distcp\\n"."""
     import shutil
-    from dcpx import _pieces
+    from dcpx.storage import pieces as _pieces
     m = CheckpointManager(tmp_path, async_mode="sync")
     m.save(1, {"w": torch.ones(2)})
     shutil.copytree(tmp_path / "step-1", tmp_path / "step-9\n")
@@ -152,7 +152,7 @@ def test_removing_a_linked_piece_folder_removes_the_link_only(tmp_path):
     """A piece destination that is a link (to a folder elsewhere): removing
     it left a ".deleting-" link behind for good (rmtree refuses links, and
     the debris sweep used rmtree too); what it points to is never touched."""
-    from dcpx import _pieces
+    from dcpx.storage import pieces as _pieces
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep.txt").write_text("mine")

@@ -1,5 +1,5 @@
-"""The C decoder of .metadata files (csrc/mdindex.c, dcpx._metadata.index)
-and the load path built on it (dcpx._readplan: _indexed, _indexed_plan).
+"""The C decoder of .metadata files (csrc/mdindex.c, dcpx.formats.metadata.index)
+and the load path built on it (dcpx.coordination.readplan: _indexed, _indexed_plan).
 
 The decoder may leave any file to the general path (torch's Unpickler under
 the allow-list, _metadata._validate, FileSystemReader._validate_storage),
@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import dcpx
-from dcpx import _C, _metadata, _readplan
+from dcpx import _C
+from dcpx.coordination import readplan as _readplan
+from dcpx.formats import metadata as _metadata
 from dcpx.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 from conftest import assert_bit_equal

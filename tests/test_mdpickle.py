@@ -36,7 +36,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import dcpx
-from dcpx import _C, _dist, _metadata
+from dcpx import _C
+from dcpx.coordination import dist as _dist
+from dcpx.formats import metadata as _metadata
 
 # Metadata.version: torch >= 2.9; StorageMeta.modules: torch >= 2.8.
 HAS_VERSION = "version" in {f.name for f in dataclasses.fields(Metadata)}

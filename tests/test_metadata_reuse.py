@@ -1,4 +1,4 @@
-"""Reuse of the encoded metadata body (dcpx/_metadata.py, "Reuse of the
+"""Reuse of the encoded metadata body (dcpx/formats/metadata.py, "Reuse of the
 encoded body"; csrc/mdpickle.c's split form).
 
 A save whose plan is reused writes the last save's encoding of the metadata
@@ -20,7 +20,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 import dcpx
 from conftest import assert_state_bit_equal, empty_like_state, fast_writer
-from dcpx import _C, _metadata, _plan
+from dcpx import _C
+from dcpx.coordination import plan as _plan
+from dcpx.formats import metadata as _metadata
 
 
 def _state(n=40, seed=0):

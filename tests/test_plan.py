@@ -1,4 +1,4 @@
-"""dcpx's one save planner (dcpx/_plan.py): the one rule for which values
+"""dcpx's one save planner (dcpx/coordination/plan.py): the one rule for which values
 dcpx plans itself, and the reuse of a single-process save's plan by the
 next save of the same layout.
 
@@ -20,7 +20,8 @@ import torch.distributed.checkpoint as tdcp
 
 import dcpx
 from conftest import assert_state_bit_equal, empty_like_state, fast_writer, resolved
-from dcpx import _api, _dist
+from dcpx import _api
+from dcpx.coordination import dist as _dist
 
 
 class Plain(torch.Tensor):

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 import dcpx
 from conftest import make_tensor
-from dcpx._fmt_safetensors import DTYPES
+from dcpx.formats.safetensors import DTYPES
 from dcpx.errors import CorruptCheckpointError
 
 st = pytest.importorskip("safetensors.torch")

@@ -3,7 +3,7 @@ what their length field says (issue 31, item 8): headers padded to 99 MB
 loaded (a URL load used 566 MiB of TMPDIR and 189 MiB more memory, past
 the documented 512 MiB and 64 MiB) and a 99 MB header of tiny entries cost
 1.8 GiB to parse before it was refused.  A header longer than
-``_fmt_safetensors.header_budget`` (per tensor chunk of the metadata 256
+``dcpx.formats.safetensors.header_budget`` (per tensor chunk of the metadata 256
 bytes + 16 per byte of its key + 64 per dimension, 64 KiB per header) is
 refused before it is fetched or read; headers that writers make load."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint as tdcp
 
 import dcpx
-from dcpx import _fmt_safetensors, _metadata
+from dcpx.formats import metadata as _metadata, safetensors as _fmt_safetensors
 
 fsspec = pytest.importorskip("fsspec")
 pytest.importorskip("safetensors")

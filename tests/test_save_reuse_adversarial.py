@@ -1,5 +1,5 @@
 """Adversarial tests of the save-side fast paths that skip work when
-"nothing changed" since the previous save: the plan cache (dcpx/_plan.py,
+"nothing changed" since the previous save: the plan cache (dcpx/coordination/plan.py,
 ``_C.scan_plain``), the reused metadata encoding (``_metadata.Splice``, the
 split form of ``.metadata``), the stager's reuse of its layout
 (``DefaultStager._reuse``, ``_flat_as_is``), the upload's kept payloads
@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 import dcpx
-import dcpx._commit
+import dcpx.storage.commit
 from conftest import SAVEABLE_DTYPES, make_tensor, raw_bytes
-from dcpx import _plan, _readplan
-from dcpx._flatten import flatten_state_dict
+from dcpx.coordination import plan as _plan, readplan as _readplan
+from dcpx.coordination.flatten import flatten_state_dict
 
 
 THREAD = dcpx.AsyncCheckpointerType.THREAD
@@ -667,7 +667,7 @@ def test_a_save_failing_at_commit_then_good_saves(tmp_path, mode, monkeypatch):
     """The commit raises (a full disk, say) after the plan, the encoding
     and the data files were made: nothing cached from that save may make a
     later checkpoint wrong."""
-    real = dcpx._commit.commit
+    real = dcpx.storage.commit.commit
     failing = [False]
 
     def commit(*args, **kw):
@@ -675,7 +675,7 @@ def test_a_save_failing_at_commit_then_good_saves(tmp_path, mode, monkeypatch):
             raise OSError(28, "No space left on device (test)")
         return real(*args, **kw)
 
-    monkeypatch.setattr(dcpx._commit, "commit", commit)
+    monkeypatch.setattr(dcpx.storage.commit, "commit", commit)
     saver = Saver(mode)
     try:
         path = tmp_path / "ck"
@@ -856,7 +856,7 @@ def test_reused_metadata_across_frame_sizes_and_path_lengths(tmp_path, klen, n):
     counts, so that the middle ends at various places relative to a frame,
     saved into paths of different lengths with one and three files; each
     .metadata is decoded by the C index (no fallback) and by pickle."""
-    from dcpx import _metadata
+    from dcpx.formats import metadata as _metadata
     sd = {("k" * klen + f"{i:05d}"): (torch.full((2,), float(i)) if i % 3 else i)
           for i in range(n)}
     for threads in (1, 3):

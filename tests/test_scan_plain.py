@@ -13,7 +13,9 @@ import torch
 
 import dcpx
 from conftest import SAVEABLE_DTYPES, make_tensor
-from dcpx import _C, _pending, _plan
+from dcpx import _C
+from dcpx.coordination import plan as _plan
+from dcpx.storage import pending as _pending
 
 
 class Sub(torch.Tensor):

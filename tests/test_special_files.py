@@ -193,7 +193,7 @@ def test_c_reader_refuses_a_file_swapped_after_validation(saved, kind):
     for index, info in md.storage_data.items():
         if index.offset is not None:
             chunk, dtype = reader._chunk_of(index)
-            reads.append(dcpx._reader._TensorRead(
+            reads.append(dcpx.storage.reader._TensorRead(
                 index.fqn, info, chunk, dtype, torch.empty(chunk, dtype=dtype), None))
     expect = {"symlink": "symbolic link", "fifo": "FIFO", "directory": "directory"}[kind]
     with pytest.raises(dcpx.CorruptCheckpointError, match=expect) as ei:

@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as tdcp
 
 import dcpx
-from dcpx import _plan, staging
+from dcpx.coordination import plan as _plan
+from dcpx import staging
 
 
 def _stager(**kw) -> dcpx.DefaultStager:
@@ -261,7 +262,7 @@ def test_staged_upload_ignores_changes_after_staging(tmp_path):
 
 def test_upload_scan_matches_the_general_scan():
     """Signature and payload kinds equal to _plan.scan's, entry by entry."""
-    from dcpx._pending import staged_payload
+    from dcpx.storage.pending import staged_payload
     with _stager() as stager:
         for step in range(3):  # the first builds the cache, the others use it
             staged = stager.stage(_every_dtype(step))

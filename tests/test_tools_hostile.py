@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import dcpx
-from dcpx import _chunks
-from dcpx._metadata import METADATA_FN
+from dcpx.formats import chunks as _chunks
+from dcpx.formats.metadata import METADATA_FN
 from dcpx.cli import main
 from dcpx.errors import CorruptCheckpointError
 from conftest import torch_save_supports

@@ -99,7 +99,7 @@ def test_a_value_too_large_to_walk_is_scanned_once_per_key_and_type(tmp_path, mo
     """A value with more items than the walk looks at has no signature; the
     scan's all-clear is kept per key and type, so saving the same state dict
     again does not scan its pickle again (it did on every save)."""
-    import dcpx._values as values
+    import dcpx.formats.values as values
     scans = []
     real = values.refused_globals
     monkeypatch.setattr(values, "refused_globals", lambda data: scans.append(1) or real(data))

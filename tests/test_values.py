@@ -272,7 +272,7 @@ def test_eval_is_refused_naming_the_global_and_both_remedies(tmp_path):
 def test_torchscript_value_is_refused(tmp_path):
     """torch.load(weights_only=False) would hand it to torch.jit.load."""
     import dataclasses
-    from dcpx import _metadata
+    from dcpx.formats import metadata as _metadata
     path = tmp_path / "ck"
     dcpx.save({"w": torch.ones(2), "v": 1}, checkpoint_id=str(path))
     md = dcpx.FileSystemReader(str(path)).read_metadata()
@@ -375,11 +375,11 @@ def test_non_zip_value_is_refused(tmp_path):
     pickle) is never handed to torch.load."""
     import pickle
     with pytest.raises(dcpx.CorruptCheckpointError, match="not a torch.save zip"):
-        dcpx._values.loads(pickle.dumps(3), "ck: key 'v'")
+        dcpx.formats.values.loads(pickle.dumps(3), "ck: key 'v'")
     buf = io.BytesIO()
     torch.save(3, buf)
     assert zipfile.is_zipfile(io.BytesIO(buf.getvalue()))
-    assert dcpx._values.loads(buf.getvalue(), "ck: key 'v'") == 3
+    assert dcpx.formats.values.loads(buf.getvalue(), "ck: key 'v'") == 3
 
 
 def _renamed_numpy_module(data: bytes, old: bytes, new: bytes) -> bytes:
@@ -407,4 +407,4 @@ def test_numpy_1x_and_2x_module_names_both_load(module):
     current = (b"numpy._core.multiarray" if b"numpy._core.multiarray" in buf.getvalue()
                else b"numpy.core.multiarray")
     data = _renamed_numpy_module(buf.getvalue(), current, module)
-    assert_same(dcpx._values.loads(data, "ck: key 'v'"), value)
+    assert_same(dcpx.formats.values.loads(data, "ck: key 'v'"), value)

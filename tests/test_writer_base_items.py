@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dcpx import _C
-from dcpx._dtypes import storage_type_name
+from dcpx.formats.dtypes import storage_type_name
 
 
 def refs(t: torch.Tensor) -> tuple:

@@ -3,7 +3,7 @@
 inflates to 1 GiB peaked at 2.3 GiB in load, verify, inspect, convert,
 diff, a URL load and the manager (128 KiB -> 4 GiB: MemoryError).  Records
 are now inflated in bounded chunks, never past the chunk's bytes plus an
-archive's records (a tensor) or _fmt_transforms.value_limit (a value), and
+archive's records (a tensor) or dcpx.formats.transforms.value_limit (a value), and
 refused beyond.  Peak memory is measured in a fresh process (ru_maxrss after
 every consumer ran on the intact checkpoint, then after each ran on the
 bomb), never a time."""
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import dcpx
-from dcpx import _fmt_transforms, _metadata
+from dcpx.formats import metadata as _metadata, transforms as _fmt_transforms
 
 zstandard = pytest.importorskip("zstandard")
 _ext = pytest.importorskip("torch.distributed.checkpoint._extension")

@@ -63,13 +63,13 @@ def build_parser(only: Optional[Sequence[str]] = None) -> argparse.ArgumentParse
     """The ``dcpx`` parser.  ``only``: the commands whose modules are
     imported for their full parsers (default: all); the others are listed
     by name and help line only, which is all ``dcpx --help`` shows."""
-    import dcpx     # its version only: the package imports torch on first use of its API
+    from .. import version
     exit_status = __doc__.split("\n\n")[-1].strip()
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog="dcpx", description=__doc__.split("\n\n")[0] + "\n\n"
                                 + __doc__.split("\n\n")[1], epilog=exit_status,
                                 formatter_class=fmt)
-    p.add_argument("--version", action="version", version=f"dcpx {dcpx.__version__}")
+    p.add_argument("--version", action="version", version=f"dcpx {version.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in NAMES:
         if only is None or name in only:

@@ -253,7 +253,7 @@ class TorchSource(Source):
         # storages in place in the mapping's private (copy-on-write) pages,
         # which release_pages would discard (a tied tensor read later would
         # see the file's unswapped bytes again); and it left the untyped
-        # ones (uint16, float8...) unswapped (dcpx/_byteorder.py).
+        # ones (uint16, float8...) unswapped (dcpx/formats/byteorder.py).
         order = archive_byteorder(self.path) if zipfile.is_zipfile(self.path) else sys.byteorder
         self.swapped = order != sys.byteorder
         swap_untyped(tensors_within(obj), order)

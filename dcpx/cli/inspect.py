@@ -51,7 +51,7 @@ def _value_entry(reader, key: str, info, read: bool) -> tuple[dict, str]:
     if info.length > VALUE_READ_MAX:
         out["not_read"] = f"record of {human(info.length)} (over {human(VALUE_READ_MAX)})"
         return out, ""
-    from .._fmt_transforms import InflatesTooFar
+    from ..formats.transforms import InflatesTooFar
     try:
         # CRC-checked, allow-list unpickler; a compressed record inflated to
         # VALUE_READ_MAX bytes at most

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..filesystem import LOCAL_PROTOCOLS, METADATA_FN, local_path, url_protocol
-from ..manager import DELETING_PREFIX, STEP_RE, local_step
+from ..filesystem import DELETING_PREFIX, STEP_RE, local_step
 from ._common import CliError, NoCheckpoint, human
 
 HELP = ("list the checkpoints under a directory or URL (s3://, memory://...): step, size, "
@@ -84,7 +84,7 @@ def _url_row(fs, path: str, name: str, now: float) -> Optional[dict]:
     files = {i["name"].rstrip("/").rsplit("/", 1)[-1]: i for i in infos if i.get("type") == "file"}
     if not (_STEP.match(name) or any(n == METADATA_FN or n.endswith(".distcp") for n in files)):
         return None
-    from ..manager import info_mtime
+    from ..filesystem import info_mtime
     committed = METADATA_FN in files
     if committed:
         when = info_mtime(files[METADATA_FN])

@@ -16,7 +16,7 @@ def _check_archive(reader: FileSystemReader, index, info) -> int:
     header was checked when the reader was set up: docs/format.md); a
     compressed one is decompressed first."""
     from ..filesystem import check_zip_crcs, is_raw, read_regular
-    info = reader.storage_data.get(index, info)  # as resolved (dcpx._formats)
+    info = reader.storage_data.get(index, info)  # as resolved (dcpx.formats.entries)
     if is_raw(info):
         return 0
     if getattr(info, "transform_descriptors", None):
@@ -90,7 +90,7 @@ def verify_checkpoint(path: str, out=None, *, show_progress: bool = False,
         reader.set_up_storage_reader(
             Metadata(state_dict_metadata=md.state_dict_metadata, storage_data=good,
                      planner_data=md.planner_data, storage_meta=md.storage_meta), True)
-    except CheckpointError as e:  # a SAFETENSORS header that is malformed (dcpx._formats)
+    except CheckpointError as e:  # a SAFETENSORS header that is malformed (dcpx.formats.entries)
         bad("data files", e)
         print(f"{path}: 0 records verified, {problems} problem(s)", file=out)
         return problems

@@ -37,8 +37,8 @@ from typing import Any, Optional
 
 import torch
 
-from ._byteorder import swap_value
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .byteorder import swap_value
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["loads", "dcpx_safe_globals"]
 
@@ -227,7 +227,7 @@ def _load_restricted(file, **kw: Any) -> Any:
 
 
 #: the stand-in for the ``pickle`` module given to ``torch.load``
-_restricted_pickle = types.ModuleType("dcpx._values.restricted_pickle")
+_restricted_pickle = types.ModuleType("dcpx.formats.values.restricted_pickle")
 _restricted_pickle.Unpickler = _Unpickler  # type: ignore[attr-defined]
 _restricted_pickle.load = _load_restricted  # type: ignore[attr-defined]
 _restricted_pickle.UnpicklingError = pickle.UnpicklingError  # type: ignore[attr-defined]
@@ -269,7 +269,7 @@ def loads(data: bytes, where: str, allow_pickle: bool = False) -> Any:
     try:
         # torch.load swaps the typed storages of a big-endian archive, not
         # the untyped ones (uint16/32/64, float8...): swap_value does, as
-        # dcpx swaps a tensor item's (dcpx/_byteorder.py)
+        # dcpx swaps a tensor item's (dcpx/formats/byteorder.py)
         if _forced_weights_only():
             return swap_value(torch.load(io.BytesIO(data), weights_only=True), data)
         return swap_value(_plain_bytesio(torch.load(io.BytesIO(data), weights_only=False,
@@ -366,7 +366,7 @@ def warn_if_refused(obj: Any, key: str, data: bytes) -> None:
         return
     _warned_keys.add(key)
     import warnings
-    from .errors import UnsafeValueWarning
+    from ..errors import UnsafeValueWarning
     shown = ", ".join(names)
     warnings.warn(
         f"dcpx.save: the value of {key!r} (a {type(obj).__module__}.{type(obj).__qualname__}) "
@@ -384,7 +384,8 @@ def _outside_dcpx() -> int:
     """The stacklevel of the first caller outside the dcpx package (passing
     over contextlib's frames too: a context manager used as a decorator,
     ``@checkpoint_errors()``, puts one between dcpx's)."""
-    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    # the package's folder (this module is dcpx/formats/values.py)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
     import contextlib
     import sys
     ctx = os.path.abspath(contextlib.__file__)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import warnings
 from typing import Iterable
 
-from ._values import _outside_dcpx
-from .errors import UnloadedKeysWarning
+from ..formats.values import _outside_dcpx
+from ..errors import UnloadedKeysWarning
 
 __all__ = ["warn_unloaded"]
 

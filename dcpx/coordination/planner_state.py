@@ -35,7 +35,7 @@ def after_load(planner: Any, state_dict: dict, is_coordinator: bool, reader: Any
     state dicts), ``reader`` the set-up reader."""
     if type(planner) is not DefaultLoadPlanner:
         return
-    from ._flatten import flatten_state_dict
+    from .flatten import flatten_state_dict
     planner.original_state_dict = state_dict
     flat, planner.mappings = flatten_state_dict(state_dict)
     planner.state_dict = flat
@@ -50,8 +50,8 @@ def after_save(planner: Any, state_dict: dict, metadata: Optional[Metadata],
     state dicts), ``metadata`` the committed checkpoint's."""
     if type(planner) is not DefaultSavePlanner:
         return
-    from ._stateful import _stateful_to_state_dict
-    from ._flatten import flatten_state_dict
+    from .stateful import _stateful_to_state_dict
+    from .flatten import flatten_state_dict
     flat, planner.mappings = flatten_state_dict(_stateful_to_state_dict(state_dict))
     planner.state_dict = flat
     planner.is_coordinator = is_coordinator

@@ -14,15 +14,15 @@ at the end of the first frame), and dcpx checks it before decompressing:
 the CRC covers what is on disk.  Records without it (written by torch) are
 checked by what decompression and the archive's own zip CRC-32s catch.
 
-This module does no rank coordination (it never imports dcpx._dist)."""
+This module does no rank coordination (it never imports dcpx.coordination.dist)."""
 from __future__ import annotations
 
 import io
 import struct
 from typing import Any, Optional, Sequence
 
-from . import _C
-from .errors import CorruptCheckpointError, UnsupportedFormatError
+from .. import _C
+from ..errors import CorruptCheckpointError, UnsupportedFormatError
 
 #: Undoing the transforms reads this much at a time (what is held beyond
 #: the record's own bytes while it inflates).

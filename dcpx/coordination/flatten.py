@@ -23,8 +23,8 @@ from torch.distributed.checkpoint._nested_dict import (
     flatten_state_dict as _torch_flatten_state_dict,  # the fallback only
 )
 
-from . import _C
-from ._torchcompat import derived_version
+from .. import _C
+from .._torchcompat import derived_version
 
 
 def flatten_state_dict(state_dict: Any) -> tuple[dict[str, Any], dict[str, tuple]]:

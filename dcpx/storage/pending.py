@@ -15,20 +15,28 @@ import heapq
 import io
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import _C
-from ._values import warn_if_refused
-from ._dtypes import _TO_DLPACK, _needs_int_view, dlpack_export, dlpack_view, storage_type_name
+from .. import _C
+from ..formats.values import warn_if_refused
+from ..formats.dtypes import (
+    _TO_DLPACK, _needs_int_view, dlpack_export, dlpack_view, storage_type_name,
+)
 
 
-if TYPE_CHECKING:
-    from ._writer import FileSystemWriter
+class WritingTo(Protocol):
+    """What a pending write uses of its writer (a ``FileSystemWriter``,
+    named by its parts: the writer imports this module)."""
+
+    path: Path
+    sync_files: bool
+    thread_count: int
 
 
 def check_saveable(t: torch.Tensor, key: str) -> str:
@@ -150,7 +158,7 @@ class _Entry(NamedTuple):
     payload: Any          # bytes, or (tensor, storage_type)
     nbytes: int
     # SAFETENSORS: a tensor's (dtype, shape) for the file's header
-    # (dcpx._fmt_safetensors); None otherwise
+    # (dcpx.formats.safetensors); None otherwise
     meta: Any = None
 
 
@@ -192,17 +200,17 @@ class PendingWrite:
     """Data files being written by a C WriteJob; their layout is already
     known, so the metadata can be built while the bytes go out."""
 
-    def __init__(self, writer: "FileSystemWriter", files: list[tuple[str, list[_Entry]]]):
+    def __init__(self, writer: WritingTo, files: list[tuple[str, list[_Entry]]]):
         self._begin(writer, [name for name, _ in files],
                     [[e.payload for e in ents] for _, ents in files])
         self.files = files
 
     @classmethod
-    def of_payloads(cls, writer: "FileSystemWriter", names: list[str],
+    def of_payloads(cls, writer: WritingTo, names: list[str],
                     payloads: list[list], base: Optional[torch.Tensor] = None) -> "PendingWrite":
         """The data files ``names[i]`` holding ``payloads[i]`` (the C
         writer's payloads, in order): for a caller that keeps which item
-        each one is itself (dcpx._plan's SavePlan), so that no entry
+        each one is itself (dcpx.coordination.plan's SavePlan), so that no entry
         object is made per item.  ``files`` then has no entries, and
         ``results`` is not available.  ``base``: the buffer that base items
         ``(offset, nbytes, storage_type, shape)`` lie in (a stager's, kept
@@ -212,7 +220,7 @@ class PendingWrite:
         self.files = [(name, None) for name in names]
         return self
 
-    def _begin(self, writer: "FileSystemWriter", names: list[str], payloads: list[list],
+    def _begin(self, writer: WritingTo, names: list[str], payloads: list[list],
                base: Optional[torch.Tensor] = None) -> None:
         self.writer = writer
         self.paths = [str(writer.path / name) for name in names]

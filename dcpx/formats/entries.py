@@ -3,14 +3,14 @@ entries as the readers read them.  One module per format:
 
 * TORCH_SAVE records (a ``torch.save`` zip per item): csrc/reader.c,
   ``_reader.check_zip_crcs``;
-* SAFETENSORS data files: ``dcpx._fmt_safetensors``;
-* stream transforms (``_extensions``, ZStandard): ``dcpx._fmt_transforms``.
+* SAFETENSORS data files: ``dcpx.formats.safetensors``;
+* stream transforms (``_extensions``, ZStandard): ``dcpx.formats.transforms``.
 
 ``resolve`` maps a checkpoint's metadata to the storage entries the readers
 use: a safetensors tensor entry (torch records the blob's start and the
 byte count) becomes a ``RawInfo`` of the tensor's own bytes, after its
 header is checked against the metadata; every other entry is kept.  None
-of this imports rank coordination (dcpx._dist)."""
+of this imports rank coordination (dcpx.coordination.dist)."""
 from __future__ import annotations
 
 import copy
@@ -20,9 +20,9 @@ from typing import Sequence
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import _fmt_safetensors as st
-from ._files import open_regular
-from .errors import CorruptCheckpointError
+from . import safetensors as st
+from .files import open_regular
+from ..errors import CorruptCheckpointError
 
 _EOCD = b"PK\x05\x06"
 

@@ -15,7 +15,7 @@ read and written as torch 2.13's ``filesystem.py`` lays it out:
 
 Safetensors has no checksum: what a load checks instead is listed in
 docs/format.md ("SAFETENSORS data files").  This module does no rank
-coordination (it never imports dcpx._dist)."""
+coordination (it never imports dcpx.coordination.dist)."""
 from __future__ import annotations
 
 import json
@@ -29,8 +29,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ._files import open_regular
-from .errors import CorruptCheckpointError
+from .files import open_regular
+from ..errors import CorruptCheckpointError
 
 #: safetensors dtype names, in the order of safetensors' ``Dtype`` enum
 #: (its writer lays tensors out by this order, descending, then by name).
@@ -116,7 +116,7 @@ def header(tensors: Sequence[tuple[str, torch.dtype, tuple, tuple]]) -> tuple[by
 
 def file_items(entries: Sequence[Any]) -> tuple[list, list]:
     """One data file's C-writer payloads in the SAFETENSORS layout, from its
-    entries (dcpx._pending._Entry; a tensor's ``meta`` is (dtype, shape)):
+    entries (dcpx.storage.pending._Entry; a tensor's ``meta`` is (dtype, shape)):
     the bytes items, the blob's head, then each tensor's bytes as a raw item
     (storage type "", packed, no record: csrc/writer.c).  Returns
     (payloads, places): places[i] says where entry i's storage info points:

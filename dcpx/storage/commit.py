@@ -20,20 +20,39 @@ methods call them (subclasses and tests override those methods)."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
+from pathlib import Path
+from typing import Any, Optional, Protocol
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import _locks
-from ._files import METADATA_FN, _DATA_FILE, _RANK_METADATA, _TAGGED_DATA_FILE, _TMP_METADATA, _fsync_dir
-from .errors import CheckpointError
+from . import locks as _locks
+from ..formats.files import (
+    METADATA_FN, _DATA_FILE, _RANK_METADATA, _TAGGED_DATA_FILE, _TMP_METADATA, _fsync_dir,
+)
+from ..errors import CheckpointError
 
 
-if TYPE_CHECKING:
-    from ._writer import FileSystemWriter
+class Committing(Protocol):
+    """What the commit uses of the writer whose save it commits (a
+    ``FileSystemWriter``; named here by its parts so that this module does
+    not import the writer that imports it)."""
+
+    path: Path
+    rank: int
+    save_id: str
+    sync_files: bool
+    use_collectives: bool
+    _save_lock: Any
+
+    def _metadata_path(self) -> Path: ...
+    def encode_metadata(self, metadata: Metadata) -> bytes: ...
+    _commit_check: Optional[Any]
+    def _discard_own(self) -> None: ...
+    def _remove_unreferenced(self, metadata: Metadata, *args: Any) -> None: ...
+    def _release_tag(self) -> None: ...
 
 
-def commit(self: "FileSystemWriter", metadata: Metadata, data: Optional[bytes] = None) -> None:
+def commit(self: Committing, metadata: Metadata, data: Optional[bytes] = None) -> None:
     """Make the checkpoint visible atomically; see the module docstring.
     ``data`` is ``encode_metadata(metadata)`` if the caller has it."""
     final = self._metadata_path()
@@ -87,7 +106,7 @@ def commit(self: "FileSystemWriter", metadata: Metadata, data: Optional[bytes] =
     finally:
         self._release_tag()
 
-def discard_own(self: "FileSystemWriter") -> None:
+def discard_own(self: Committing) -> None:
     """Remove every data file of this save (all ranks'): it will not be
     committed."""
     if self._save_lock is None:
@@ -100,7 +119,7 @@ def discard_own(self: "FileSystemWriter") -> None:
             except FileNotFoundError:
                 pass
 
-def _supersede_other_mode(self: "FileSystemWriter", names: list, own: str) -> None:
+def _supersede_other_mode(self: Committing, names: list, own: str) -> None:
     """The directory held a checkpoint saved the other way (with or
     without collectives) before this one: its metadata goes, before the
     data files it references are deleted below.  A use_collectives=False
@@ -121,7 +140,7 @@ def _supersede_other_mode(self: "FileSystemWriter", names: list, own: str) -> No
         _fsync_dir(self.path)  # gone before any file they reference
 
 
-def remove_unreferenced(self: "FileSystemWriter", metadata: Metadata,
+def remove_unreferenced(self: Committing, metadata: Metadata,
                         ino: Optional[int] = None) -> None:
     """Delete data files the new metadata does not reference, except
     those of saves that may still be live (docs/reliability.md,

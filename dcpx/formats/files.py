@@ -10,8 +10,8 @@ import stat
 from pathlib import Path
 from typing import Optional, Union
 
-from . import _metadata
-from .errors import CorruptCheckpointError
+from . import metadata as _metadata
+from ..errors import CorruptCheckpointError
 
 
 DCP_VERSION = "1.0.0"

@@ -33,17 +33,19 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from . import _C, _locks, _metadata
-from ._files import _fsync_dir, open_regular, read_regular
-from .errors import CorruptCheckpointError
+from .. import _C
+from . import locks as _locks
+from ..formats import metadata as _metadata
+from ..formats.files import _fsync_dir, open_regular, read_regular
+from .steps import DELETING_PREFIX, STEP_RE
+from ..errors import CorruptCheckpointError
 
-# \Z, not $: "$" also matches before a trailing newline ("step-5\n")
-STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)\Z")
+# \Z, not $: "$" also matches before a trailing newline ("rank-0-of-2\n")
 KEY_RE = re.compile(r"^r[0-9a-f]{1,32}-s[0-9]{1,18}\Z")
 PIECE_RE = re.compile(r"^rank-(0|[1-9][0-9]*)-of-([1-9][0-9]*)\Z")
 _FILE_RE = re.compile(r"^(\.metadata|__\d+_[0-9a-f_]+\.distcp|__\d+_\d+\.distcp)\Z")
 _INCOMING = ".incoming-"
-_DELETING = ".deleting-"
+_DELETING = DELETING_PREFIX
 #: records start at this alignment in a data file (docs/format.md)
 _ALIGN = 64
 

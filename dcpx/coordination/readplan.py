@@ -46,9 +46,10 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from . import _C, _formats, _metadata
-from ._fmt_safetensors import is_raw
-from ._dtypes import _TO_DLPACK, _needs_int_view, storage_type_name
+from .. import _C
+from ..formats import entries as _entries, metadata as _metadata
+from ..formats.safetensors import is_raw
+from ..formats.dtypes import _TO_DLPACK, _needs_int_view, storage_type_name
 
 MAX_CHECKPOINTS = 2
 MAX_PLANS = 4
@@ -203,7 +204,7 @@ def checkpoint(reader, rank: Optional[int] = None) -> Checkpoint:
         return ck
     md = _metadata.loads(raw, key)
     reader._validate_storage(md)
-    resolved = _formats.resolve(reader.path, md)
+    resolved = _entries.resolve(reader.path, md)
     if resolved is not md:
         # SAFETENSORS entries, resolved from the data files' headers: not
         # cached (ident None: every load reads and checks the headers again)
@@ -253,7 +254,7 @@ def _indexed(reader, raw: bytes, ident: tuple, key: str) -> Optional[Checkpoint]
         sizes.append(st.st_size)
     if not _C.md_index_check(index, sizes):
         return None
-    if not _formats.plain_zip_files(reader.path, names, sizes):
+    if not _entries.plain_zip_files(reader.path, names, sizes):
         return None  # SAFETENSORS or stream-transformed data files
     return Checkpoint(ident, raw, None, files, key, index)
 
@@ -261,7 +262,7 @@ def _indexed(reader, raw: bytes, ident: tuple, key: str) -> Optional[Checkpoint]
 def cacheable(reader) -> bool:
     """Whether ``reader`` reads metadata and sets itself up as dcpx's
     FileSystemReader does (a subclass may override either)."""
-    from ._reader import FileSystemReader
+    from ..storage.reader import FileSystemReader
     cls = type(reader)
     return (isinstance(reader, FileSystemReader)
             and cls.read_metadata is FileSystemReader.read_metadata

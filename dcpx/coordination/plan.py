@@ -40,9 +40,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _C, _metadata
-from ._files import DCP_VERSION
-from ._pending import (
+from .. import _C
+from ..formats import metadata as _metadata
+from ..formats.files import DCP_VERSION
+from ..storage.pending import (
     _DIRECT,
     _TO_DLPACK,
     PendingWrite,
@@ -51,8 +52,8 @@ from ._pending import (
     tensor_payload,
     value_payload,
 )
-from ._torchcompat import DTensor, dtensor_chunk, is_checkpointable_tensor, new_metadata
-from .errors import CheckpointError
+from .._torchcompat import DTensor, dtensor_chunk, is_checkpointable_tensor, new_metadata
+from ..errors import CheckpointError
 
 
 _BYTES_MD = BytesStorageMetadata()
@@ -160,7 +161,7 @@ def scan(flat: dict, prepare: Callable,
 
     ``expect``: a plan's signature; if the state dict has it, the signature
     returned is None (not built).  Plain CPU tensors of the payload functions
-    of dcpx/_pending.py are looked at in one C pass (csrc/payloads.c,
+    of dcpx/storage/pending.py are looked at in one C pass (csrc/payloads.c,
     ``_C.scan_plain``), the rest here."""
     values = list(flat.values())
     # Pinned memory exists only once torch has initialised CUDA in this
@@ -357,7 +358,7 @@ class SavePlan(NamedTuple):
     groups: list                # per data file: item indices
     mappings: dict              # the planner_data it was made with
     in_order: bool              # one data file with every item in order
-    encoded: list               # [None] or [(layout, middle)]: dcpx._metadata.Splice
+    encoded: list               # [None] or [(layout, middle)]: dcpx.formats.metadata.Splice
 
 
 # (writer's file configuration, keys) -> SavePlan; the most recent first out
@@ -422,7 +423,7 @@ class LocalSave(NamedTuple):
 
     def metadata(self) -> Metadata:
         """The save's Metadata; leaves the writer a hint for encoding it
-        (dcpx._metadata.Splice): its plan's last encoding, if the layout
+        (dcpx.formats.metadata.Splice): its plan's last encoding, if the layout
         is the same."""
         plan, pending, names = self.plan, self.pending, self.names
         layout = pending.layout
@@ -455,7 +456,7 @@ class LocalSave(NamedTuple):
         # Only for dcpx's own encode_metadata: a subclass's may change the
         # Metadata before encoding it, which the cached encoding (shared by
         # every writer of this plan) would not show.
-        from ._writer import FileSystemWriter
+        from ..storage.writer import FileSystemWriter
         if type(self.writer).encode_metadata is FileSystemWriter.encode_metadata:
             self.writer._splice = _metadata.Splice(metadata, names, plan.encoded, layout,
                                                    middle)

@@ -1,5 +1,5 @@
 """FileSystemWriter: torch's StorageWriter protocol over dcpx's C writer.
-The commit (metadata rename and cleanup) is dcpx._commit."""
+The commit (metadata rename and cleanup) is dcpx.storage.commit."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +21,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _commit, _fmt_safetensors, _fmt_transforms, _locks, _metadata
-from ._files import DCP_VERSION, _check_dir, disagreeing_paths, local_path
-from ._pending import (
+from . import commit as _commit, locks as _locks
+from ..formats import (
+    safetensors as _fmt_safetensors, transforms as _fmt_transforms, metadata as _metadata,
+)
+from ..formats.files import DCP_VERSION, _check_dir, disagreeing_paths, local_path
+from .pending import (
     LazyItem,
     PendingWrite,
     _buckets,
@@ -32,8 +35,8 @@ from ._pending import (
     tensor_payload,
     value_payload,
 )
-from ._torchcompat import new_metadata, stamp_version
-from .errors import CheckpointError
+from .._torchcompat import new_metadata, stamp_version
+from ..errors import CheckpointError
 
 
 def complete_metadata(writer: StorageWriter, metadata: Metadata,
@@ -54,7 +57,7 @@ def complete_metadata(writer: StorageWriter, metadata: Metadata,
 class _RankPath(NamedTuple):
     """A rank's checkpoint path, carried in its local SavePlan's
     ``storage_data`` to the coordinator (torch's generic save path), which
-    refuses the save when the ranks disagree (see dcpx._dist.path_key)."""
+    refuses the save when the ranks disagree (see dcpx.coordination.dist.path_key)."""
     path: str
 
 
@@ -95,8 +98,8 @@ class FileSystemWriter(StorageWriter):
         fmt = getattr(serialization_format, "value", serialization_format) or "torch_save"
         if fmt not in ("torch_save", "safetensors"):
             raise ValueError(f"dcpx: unknown serialization_format {serialization_format!r}")
-        # torch's stream transforms (dcpx._fmt_transforms) and SAFETENSORS
-        # data files (dcpx._fmt_safetensors); both are written through
+        # torch's stream transforms (dcpx.formats.transforms) and SAFETENSORS
+        # data files (dcpx.formats.safetensors); both are written through
         # write_entries, by torch's save path (fast_path_eligible is False)
         self._extensions = _fmt_transforms.check_extensions(_extensions)
         self._safetensors = fmt == "safetensors"
@@ -117,13 +120,13 @@ class FileSystemWriter(StorageWriter):
         self.rank: Optional[int] = None
         self.is_coordinator = True
         self.use_collectives = True
-        # This save's tag and lock (dcpx/_locks.py), from the choice of its
+        # This save's tag and lock (dcpx/storage/locks.py), from the choice of its
         # file names to the end of its commit.
         self._save_lock: Optional[_locks.FileLock] = None
         # Called under the commit lock before the rename: a message means
         # "do not commit" (the checkpoint process of a dead parent sets it).
         self._commit_check: Optional[Any] = None
-        # Set by a single-process save for encode_metadata (dcpx._plan).
+        # Set by a single-process save for encode_metadata (dcpx.coordination.plan).
         self._splice: Optional[_metadata.Splice] = None
 
     def __getstate__(self) -> dict:
@@ -205,7 +208,7 @@ class FileSystemWriter(StorageWriter):
     # -- dcpx's pieces ----------------------------------------------------
     def plain_format(self) -> bool:
         """TORCH_SAVE records without stream transforms: the format dcpx's
-        own save paths (dcpx._plan, dcpx._dist) write.  Otherwise a save
+        own save paths (dcpx.coordination.plan, dcpx.coordination.dist) write.  Otherwise a save
         takes torch's path through ``write_data``."""
         return not self._safetensors and not self._extensions
 
@@ -219,7 +222,7 @@ class FileSystemWriter(StorageWriter):
     def _tensor_entry(self, index: MetadataIndex, t: torch.Tensor) -> _Entry:
         """A tensor's entry in this writer's format: a TORCH_SAVE archive by
         the C writer; the tensor's raw bytes in a SAFETENSORS file (meta:
-        dtype and shape for the header; dcpx._fmt_safetensors); or the
+        dtype and shape for the header; dcpx.formats.safetensors); or the
         ``torch.save`` archive through the stream transforms."""
         fqn = index.fqn
         nbytes = t.numel() * t.element_size()
@@ -287,7 +290,7 @@ class FileSystemWriter(StorageWriter):
         """Lay out entries into data files named ``{prefix}{i}.distcp``,
         ``i`` counting from ``first``.  ``groups``: which entries go into
         which file (lists of indices), when the caller's plan has it
-        (dcpx._plan.file_groups, the same rule)."""
+        (dcpx.coordination.plan.file_groups, the same rule)."""
         if groups is not None:
             groups = [[entries[i] for i in g] for g in groups]
         elif self.single_file_per_rank:
@@ -310,7 +313,7 @@ class FileSystemWriter(StorageWriter):
                        base=None) -> PendingWrite:
         """Lay out data files ``names[i]`` holding ``payloads[i]`` (C-writer
         payloads, in order), for a caller that knows each one's item itself
-        (dcpx._plan.plan_local_save): the single-process save's counterpart
+        (dcpx.coordination.plan.plan_local_save): the single-process save's counterpart
         of ``write_entries``.  ``base``: see ``PendingWrite.of_payloads``."""
         return PendingWrite.of_payloads(self, names, payloads, base)
 
@@ -408,12 +411,12 @@ class FileSystemWriter(StorageWriter):
 
     def encode_metadata(self, metadata: Metadata) -> bytes:
         # A single-process save's hint for reusing the last save's encoding
-        # (dcpx._metadata.Splice), if it left one for this metadata.
+        # (dcpx.formats.metadata.Splice), if it left one for this metadata.
         splice, self._splice = getattr(self, "_splice", None), None
         return _metadata.dumps(metadata, splice)
 
     def commit(self, metadata: Metadata, data: Optional[bytes] = None) -> None:
-        """Make the checkpoint visible atomically (dcpx._commit).  ``data``
+        """Make the checkpoint visible atomically (dcpx.storage.commit).  ``data``
         is ``encode_metadata(metadata)`` if the caller has it."""
         _commit.commit(self, metadata, data)
 
@@ -424,7 +427,7 @@ class FileSystemWriter(StorageWriter):
 
     def _remove_unreferenced(self, metadata: Metadata, ino: Optional[int] = None) -> None:
         """Delete data files the new metadata does not reference (under the
-        commit lock; dcpx._commit)."""
+        commit lock; dcpx.storage.commit)."""
         _commit.remove_unreferenced(self, metadata, ino)
 
 

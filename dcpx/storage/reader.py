@@ -26,13 +26,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from . import _C, _fmt_transforms, _formats, _metadata, _values
-from ._byteorder import archive_byteorder, swap_untyped
-from ._chunks import tiling_problem
-from ._fmt_safetensors import is_raw
-from ._dtypes import _TO_DLPACK, dlpack_view, storage_type_name
-from ._files import _check_dir, local_path, open_regular, read_regular, special_file_error
-from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedFormatError
+from .. import _C
+from ..formats import (
+    transforms as _fmt_transforms, entries as _entries, metadata as _metadata, values as _values,
+)
+from ..formats.byteorder import archive_byteorder, swap_untyped
+from ..formats.chunks import tiling_problem
+from ..formats.safetensors import is_raw
+from ..formats.dtypes import _TO_DLPACK, dlpack_view, storage_type_name
+from ..formats.files import _check_dir, local_path, open_regular, read_regular, special_file_error
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedFormatError
 
 
 def check_zip_crcs(raw: bytes, where: str) -> int:
@@ -173,12 +176,12 @@ class FileSystemReader(StorageReader):
                  thread_count: Optional[int] = None, verify: bool = True,
                  allow_pickle: bool = False) -> None:
         super().__init__()
-        self._lazy: Any = None  # a dcpx._readplan.Checkpoint set up for, not yet decoded
+        self._lazy: Any = None  # a dcpx.coordination.readplan.Checkpoint set up for, not yet decoded
         self.path = local_path(path)
         self.thread_count = thread_count or min(4, os.cpu_count() or 1)
         self.verify = verify
         self.allow_pickle = allow_pickle
-        # torch's ExtensionRegistry (stream transforms: dcpx._fmt_transforms)
+        # torch's ExtensionRegistry (stream transforms: dcpx.formats.transforms)
         self._extension_registry = _extension_registry
         self.storage_data: dict = {}
         self.load_id = str(uuid.uuid4())
@@ -239,8 +242,8 @@ class FileSystemReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
                               *args: Any, **kwargs: Any) -> None:
         self._validate_storage(metadata)
-        # SAFETENSORS entries resolved to the tensors' bytes (dcpx._formats)
-        self._set_up_checked(_formats.resolve(self.path, metadata), kwargs.get("rank"),
+        # SAFETENSORS entries resolved to the tensors' bytes (dcpx.formats.entries)
+        self._set_up_checked(_entries.resolve(self.path, metadata), kwargs.get("rank"),
                              kwargs.get("use_collectives", True))
 
     def _set_up_checked(self, metadata: Metadata, rank: Optional[int],
@@ -254,7 +257,7 @@ class FileSystemReader(StorageReader):
         self.use_collectives = use_collectives
 
     def _set_up_cached(self, ck: Any, rank: Optional[int], use_collectives: bool) -> None:
-        """Set up for a checkpoint of dcpx._readplan's cache, checked
+        """Set up for a checkpoint of dcpx.coordination.readplan's cache, checked
         already: its Metadata (``storage_data``, the state dict metadata)
         is decoded only if something here asks for it."""
         self._lazy = ck
@@ -326,7 +329,7 @@ class FileSystemReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        from ._writer import FileSystemWriter
+        from .writer import FileSystemWriter
         return FileSystemWriter.validate_checkpoint_id(checkpoint_id)
 
     # -- dcpx's pieces ----------------------------------------------------
@@ -456,7 +459,7 @@ class FileSystemReader(StorageReader):
             mine = {i: v for i, v in storage.items() if getattr(i, "fqn", None) == fqn}
             mine_md = Metadata(state_dict_metadata=sdm_all, storage_data=mine)
             self._validate_storage(mine_md)
-            storage = _formats.resolve(self.path, mine_md).storage_data  # SAFETENSORS entries
+            storage = _entries.resolve(self.path, mine_md).storage_data  # SAFETENSORS entries
         sdm = sdm_all[fqn]
         if not isinstance(sdm, TensorStorageMetadata):
             info = storage.get(MetadataIndex(fqn))
@@ -500,7 +503,7 @@ class FileSystemReader(StorageReader):
                    limit: Optional[int] = None) -> Any:
         """The raw bytes of a bytes item, after checking (unless ``check`` is
         False or allow_pickle is set) that they unpickle under the allow-list
-        (dcpx._values; ``load_value`` reads and unpickles in one pass).
+        (dcpx.formats.values; ``load_value`` reads and unpickles in one pass).
         ``limit``: read_record's."""
         path = self.path / info.relative_path
         data = self.read_record(key, info, limit)
@@ -512,7 +515,7 @@ class FileSystemReader(StorageReader):
 
     def load_value(self, key: str, info: _StorageInfo, limit: Optional[int] = None) -> Any:
         """A non-tensor value, read, CRC-checked and unpickled once: under
-        the allow-list of code-free types (dcpx._values, docs/api.md), or
+        the allow-list of code-free types (dcpx.formats.values, docs/api.md), or
         with full pickle if the reader was built with allow_pickle=True.
         ``limit``: read_record's."""
         data = self.read_bytes(key, info, check=False, limit=limit)

@@ -48,7 +48,7 @@ def _needs_int_view(dtype: torch.dtype) -> bool:
     """Whether the C core would refuse this dtype's DLPack export: no
     export at all (bits*), or one it cannot take bytewise (float4_e2m1fn_x2
     comes as 4 bits x 2 lanes)."""
-    from . import _C
+    from .. import _C
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -50,13 +50,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _chunks, _metadata, _plan, _readplan
-from ._files import DCP_VERSION, disagreeing_paths
-from ._flatten import flatten_state_dict
-from ._gc import paused_gc
-from ._legacy import legacy_layout
-from ._pending import _Entry, tensor_payload
-from ._plan import (  # noqa: F401 (the planner's names, as before)
+from ..formats import chunks as _chunks, metadata as _metadata
+from . import plan as _plan, readplan as _readplan
+from ..formats.files import DCP_VERSION, disagreeing_paths
+from .flatten import flatten_state_dict
+from .gcpause import paused_gc
+from ..formats.legacy import legacy_layout
+from ..storage.pending import _Entry, tensor_payload
+from .plan import (  # noqa: F401 (the planner's names, as before)
     GlobalPlan,
     LocalItem,
     global_plan,
@@ -67,16 +68,16 @@ from ._plan import (  # noqa: F401 (the planner's names, as before)
     plannable,
     scan,
 )
-from ._reader import FileSystemReader, _TensorRead
-from ._torchcompat import new_metadata
-from ._unasked import warn_unloaded
-from ._writer import FileSystemWriter, _path_key
-from .errors import CheckpointError, CorruptCheckpointError, checkpoint_errors
+from ..storage.reader import FileSystemReader, _TensorRead
+from .._torchcompat import new_metadata
+from .unasked import warn_unloaded
+from ..storage.writer import FileSystemWriter, _path_key
+from ..errors import CheckpointError, CorruptCheckpointError, checkpoint_errors
 
 
 def fast_value(obj: Any) -> bool:
     """A value dcpx's own multi-process planning handles
-    (dcpx._plan.plannable: the one rule of both paths)."""
+    (dcpx.coordination.plan.plannable: the one rule of both paths)."""
     return plannable(obj, True)
 
 
@@ -419,7 +420,7 @@ def save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     prefix, entries)`` writes this rank's entries (the checkpoint process
     passes its own)."""
     try:
-        with paused_gc():  # ~10 objects per tensor: see dcpx/_gc.py
+        with paused_gc():  # ~10 objects per tensor: see dcpx/coordination/gcpause.py
             return _save(writer, flat, mappings, group, use_collectives, prepare, write)
     finally:
         writer._release_tag()  # the coordinator's, if the save failed before its commit
@@ -537,7 +538,7 @@ class _Sent(NamedTuple):
     """What a rank sent in its last save on a group, and its share of the
     global plan it got back.  Never changed once made."""
     keys: tuple
-    sig: list           # dcpx._plan.scan's signature
+    sig: list           # dcpx.coordination.plan.scan's signature
     sizes: list         # byte sizes of the non-tensor values, in order
     mappings: dict
     items: list         # local_items of the above
@@ -953,7 +954,7 @@ def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRead
               ck: _readplan.Checkpoint, allow_partial_load: bool = False) -> None:
     """Fill a flattened state dict, in place, from the checkpoint ``ck``
     (``open_checkpoint``): through a compiled read plan when every tensor is
-    read whole and in place (cached per layout, dcpx/_readplan.py), else
+    read whole and in place (cached per layout, dcpx/coordination/readplan.py), else
     planned here (resharding, casts, devices, views, and every error)."""
     try:
         planned = _load_flat(flat, mappings, original, reader, ck, allow_partial_load)
@@ -964,7 +965,7 @@ def load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRead
         planned = _load_flat(flat, mappings, original, reader, ck, allow_partial_load)
     if planned:
         # Loaded through a plan: the Metadata objects are not needed by
-        # the next load of this layout (dcpx/_readplan.py, Checkpoint).
+        # the next load of this layout (dcpx/coordination/readplan.py, Checkpoint).
         ck.release()
 
 
@@ -1036,7 +1037,7 @@ def open_checkpoint(reader: FileSystemReader, rank: Optional[int] = None,
     the global ``.metadata``, or (as torch does, when rank is given and there
     is none) this rank's own ``__{rank}.metadata`` from a
     use_collectives=False save.  A FileSystemReader whose metadata and setup
-    methods are dcpx's own uses the cache of dcpx/_readplan.py."""
+    methods are dcpx's own uses the cache of dcpx/coordination/readplan.py."""
     collective = True
     if _readplan.cacheable(reader):
         try:

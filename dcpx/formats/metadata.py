@@ -29,9 +29,9 @@ import torch
 from torch.distributed.checkpoint import metadata as _md
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from . import _C
-from ._torchcompat import METADATA_FIELDS
-from .errors import CorruptCheckpointError, UnsafeCheckpointError
+from .. import _C
+from .._torchcompat import METADATA_FIELDS
+from ..errors import CorruptCheckpointError, UnsafeCheckpointError
 
 METADATA_FN = ".metadata"
 _TRAILER_MAGIC = b"DCPXMD1\0"
@@ -94,7 +94,7 @@ _PROTOCOL = min(pickle.HIGHEST_PROTOCOL, 5)
 
 
 class Splice(NamedTuple):
-    """What a single-process save (dcpx._plan.plan_local_save) tells the
+    """What a single-process save (dcpx.coordination.plan.plan_local_save) tells the
     encoder about its Metadata, so that a save of an unchanged layout
     reuses the encoding of the last one ("Reuse of the encoded body" below).
 
@@ -438,7 +438,7 @@ def _index_tables() -> tuple:
     allow-list that the C decoder knows how to use, each as (kind, index),
     and per dtype (torch.dtype, its archive storage type, or None when it
     is not read in place)."""
-    from ._dtypes import _needs_int_view, storage_type_name
+    from .dtypes import _needs_int_view, storage_type_name
     global _ALLOWED
     if _ALLOWED is None:
         _ALLOWED = _allowed()
