@@ -229,3 +229,35 @@ def staging_error(e: BaseException, writer) -> BaseException:
         return e
     new.__cause__ = e
     return new
+
+
+def own_failure(e: BaseException, rank: int, where: object) -> BaseException:
+    """What torch's own ``load`` (the generic path: a URL's FsspecReader, a
+    custom planner) raised, as dcpx raises it: torch reports every failure
+    as a bare ``CheckpointException`` (a BaseException, which ``except
+    Exception`` misses) holding each rank's error in ``failures``.  Returns
+    this rank's own error (``rank``: its rank in the load's group), as a
+    CheckpointError (as_checkpoint_error: a CorruptCheckpointError stays
+    one), with torch's ``failures`` kept; a plain CheckpointError naming the
+    ranks and their errors when only other ranks failed; ``e`` itself when
+    it is not torch's bare CheckpointException or holds nothing usable."""
+    if not isinstance(e, CheckpointException) or isinstance(e, CheckpointError):
+        return e
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return e
+    mine = failures.get(rank)
+    inner = mine[0] if isinstance(mine, tuple) and mine else mine
+    if isinstance(inner, Exception):
+        w = as_checkpoint_error(inner)
+        if isinstance(w, CheckpointError):
+            w._failures = failures
+        return w
+    if inner is not None:  # a BaseException of its own (KeyboardInterrupt...)
+        return e
+    parts = []
+    for r, f in sorted(failures.items(), key=lambda kv: str(kv[0])):
+        exc = f[0] if isinstance(f, tuple) and f else f
+        parts.append(f"rank {r}: {type(exc).__name__}: {exc}")
+    return CheckpointError(f"dcpx: loading {where} failed on another rank: " + "; ".join(parts),
+                           failures=failures)

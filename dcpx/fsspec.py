@@ -76,6 +76,50 @@ _TEMP_BUDGET = 256 << 20
 #: A save's local staging space, per data record, on top of its bytes
 #: (the record's zip headers and pickle, alignment).
 _RECORD_OVERHEAD = 4 << 10
+#: What names one version of an object in a store's listing or ``info``,
+#: strongest first: a version id (GCS generation, S3 VersionId on a
+#: versioned bucket), the ETag (S3, Azure, GCS), a time (local mtime, S3
+#: LastModified, memory:// created).  A load pins each data file to these
+#: and its size (``_stamp``) and compares the strongest that both the pin
+#: and a later look give (``_same``: S3's listing has no VersionId, and
+#: its LastModified is finer than a HEAD's).
+_VERSION_KEYS = ("generation", "VersionId", "version_id", "ETag", "etag", "mtime",
+                 "LastModified", "last_modified", "modified", "updated", "created")
+#: A turn re-checks up to this many files with one ``info`` each, more with
+#: one listing of the directory.
+_INFO_MAX = 8
+
+
+def _stamp(entry: dict) -> tuple:
+    """(size, ((field, value), ...)): an object's version as an fsspec
+    listing or info entry gives it (times as seconds)."""
+    fields = []
+    for key in _VERSION_KEYS:
+        value = entry.get(key)
+        if value is not None:
+            if hasattr(value, "timestamp"):
+                value = value.timestamp()
+            fields.append((key, str(value)))
+    return entry.get("size"), tuple(fields)
+
+
+def _same(pin: tuple, now: tuple) -> bool:
+    """Whether two stamps name one version: the sizes, then the strongest
+    field both have (sizes alone where they share none)."""
+    if pin[0] != now[0]:
+        return False
+    theirs = dict(now[1])
+    for key, value in pin[1]:
+        if key in theirs:
+            return theirs[key] == value
+    return True
+
+
+def _describe(stamp: tuple, other: Optional[tuple] = None) -> str:
+    """A stamp for a message: its size and its field that ``other`` shares."""
+    shared = dict(other[1]) if other is not None else {}
+    field = next(((k, v) for k, v in stamp[1] if other is None or k in shared), None)
+    return f"{stamp[0]} bytes" + (f", {field[0]} {field[1]}" if field else "")
 
 
 def url_to_fs(url: Union[str, os.PathLike], options: dict) -> tuple:
@@ -162,6 +206,17 @@ class _Store:
             return _metadata.loads(self.fs.cat_file(self.join(name)), self.where(name))
         except (FileNotFoundError, CheckpointError):
             return None
+
+    def listing(self) -> dict:
+        """{name: fsspec entry} of the files directly under the root, listed
+        now (the store's listing cache dropped first); {} when the root does
+        not exist."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e for e in entries}
 
     def remove(self, names) -> None:
         """Best effort: never let cleanup hide the error that caused it."""
@@ -357,11 +412,17 @@ class FsspecReader(StorageReader):
         self.is_coordinator = True
         self._metadata: Optional[Metadata] = None
         self._sizes: dict[str, int] = {}
+        # each data file's version when the load began (_stamp), re-checked
+        # at each turn; the listing read_metadata took before .metadata
+        self._pins: dict[str, tuple] = {}
+        self._listing: Optional[dict] = None
 
     # -- StorageReader protocol ------------------------------------------
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         self.storage_data = {}
         self._metadata = None
+        self._listing = None
+        self._pins = {}
         if checkpoint_id:
             self.store = _Store(checkpoint_id, self.store.options)
             self.path = self.store.url
@@ -371,7 +432,11 @@ class FsspecReader(StorageReader):
         rank = kwargs.get("rank")
         name = _metadata.METADATA_FN if rank is None else f"__{rank}{_metadata.METADATA_FN}"
         store = self.store
-        store.fs.invalidate_cache(store.root)  # a listing cached before the save
+        # The data files' versions are pinned from a listing taken before
+        # .metadata is read (a listing cached before the save is dropped):
+        # a data file rewritten in place after this is refused at the next
+        # turn (_check_pins), not read as part of this checkpoint.
+        self._listing = store.listing()
         try:
             data = store.fs.cat_file(store.join(name))
         except FileNotFoundError:
@@ -408,12 +473,14 @@ class FsspecReader(StorageReader):
         assert self._metadata is not None, "set_up_storage_reader was not called"
         with tempfile.TemporaryDirectory(prefix="dcpx-fsspec-") as tmp:
             self._sparse_files(tmp)
-            self._fetch_safetensors_headers(tmp)
+            headers = self._fetch_safetensors_headers(tmp)
+            self._check_pins(headers)
             local = FileSystemReader(tmp, thread_count=self.thread_count, verify=self.verify,
                                      allow_pickle=self.allow_pickle)
             try:
                 local.set_up_storage_reader(self._metadata, self.is_coordinator,
                                             rank=self.rank, use_collectives=self.use_collectives)
+                self._free(tmp, headers)  # parsed: their space goes back
                 # In turns of _TEMP_BUDGET bytes, in the plan's order: the
                 # local space and memory a load needs are bounded, not the
                 # size of what it loads.
@@ -422,6 +489,7 @@ class FsspecReader(StorageReader):
                 resolved = local.storage_data
                 for items in self._turns(plan.items):
                     touched = self._fetch(tmp, [resolved[r.storage_index] for r in items])
+                    self._check_pins(touched)  # what was fetched is the pinned version
                     local.read_data(dataclasses.replace(plan, items=items), planner).wait()
                     self._free(tmp, touched)
             except (CheckpointError, OSError) as e:
@@ -452,17 +520,56 @@ class FsspecReader(StorageReader):
                     f"{self.path}: metadata names data file {rel!r} outside the "
                     f"checkpoint directory (refused)")
             names.add(rel)
-        listing = {}
-        for entry in store.fs.ls(store.root, detail=True):
-            listing[entry["name"].rstrip("/").rsplit("/", 1)[-1]] = entry.get("size")
-        sizes = {}
+        listing = self._listing if self._listing is not None else store.listing()
+        self._listing = None  # a later load of this reader lists again
+        sizes, pins = {}, {}
         for rel in names:
-            size = listing.get(rel)
+            entry = listing.get(rel)
+            size = None if entry is None else entry.get("size")
             if size is None:
                 raise CorruptCheckpointError(
                     f"{self.path}: data file {rel} is missing ({store.where(rel)})")
             sizes[rel] = int(size)
+            pins[rel] = _stamp(entry)
+        self._pins = pins
         return sizes
+
+    def _check_pins(self, names) -> None:
+        """Refuse the load when a data file in ``names`` is no longer the
+        version it was when the load began (size and version id / ETag /
+        time, as the store gives them): another save rewrote it in place
+        (torch's FsspecWriter reuses ``__0_0.distcp``) or removed it, and
+        what this load read would mix two saves, every record's CRC valid.
+        One ``info`` per file (a HEAD on S3), or one listing of the
+        directory for more than _INFO_MAX files."""
+        names = sorted(n for n in names if n in self._pins)
+        if not names:
+            return
+        store = self.store
+        if len(names) > _INFO_MAX:
+            listing = store.listing()
+            entries = {rel: listing.get(rel) for rel in names}
+        else:
+            entries = {}
+            for rel in names:
+                store.fs.invalidate_cache(store.join(rel))
+                try:
+                    entries[rel] = store.fs.info(store.join(rel))
+                except FileNotFoundError:
+                    entries[rel] = None
+        for rel in names:
+            pin = self._pins[rel]
+            entry = entries[rel]
+            now = None if entry is None else _stamp(entry)
+            if now is not None and _same(pin, now):
+                continue
+            got = "it is gone" if now is None else f"now {_describe(now, pin)}"
+            raise CorruptCheckpointError(
+                f"{store.where(rel)}: data file {rel} changed while it was being "
+                f"loaded ({_describe(pin, now)} when the load began, {got}): another save "
+                f"rewrote or removed it (torch's FsspecWriter rewrites its data files in "
+                f"place), so what was read could mix two saves; the load is refused: load "
+                f"again once the save has finished")
 
     def _sparse_files(self, tmp: str) -> None:
         """Every data file as a local sparse file of its size (no space)."""
@@ -470,24 +577,34 @@ class FsspecReader(StorageReader):
             with open(os.path.join(tmp, rel), "wb") as f:
                 f.truncate(size)
 
-    def _fetch_safetensors_headers(self, tmp: str) -> None:
+    def _fetch_safetensors_headers(self, tmp: str) -> set:
         """The headers of the SAFETENSORS blobs the metadata may hold (its
         u64 length, then the JSON), fetched before the local reader is set
-        up: it recognises and checks the format there (dcpx.formats.entries).  At
-        most 100 MB a header (safetensors' own limit); a longer or truncated
-        one is reported by the local reader."""
+        up: it recognises and checks the format there (dcpx.formats.entries), and
+        they are freed once it is.  Together at most what the metadata
+        allows them (``_fmt_safetensors.header_budget``): a longer one is
+        not fetched, and the local reader refuses it, as a truncated one.
+        Returns the names of the files written."""
         blobs = _fmt_safetensors.candidates(self._metadata) if self._metadata else set()
+        budget = _fmt_safetensors.header_budget(self._metadata, len(blobs)) if blobs else 0
+        fetched = set()
         for rel, off in sorted(blobs):
             size = self._sizes.get(rel, 0)
-            if not isinstance(off, int) or off < 0 or off + 8 > size:
+            if not isinstance(off, int) or off < 0 or off + 9 > size:
                 continue
-            self._fetch_batch(tmp, [(rel, off, off + 8)])
+            self._fetch_batch(tmp, [(rel, off, off + 9)])
+            fetched.add(rel)
             with open(os.path.join(tmp, rel), "rb") as f:
                 f.seek(off)
-                n = int.from_bytes(f.read(8), "little")
-            end = min(off + 8 + min(n, _fmt_safetensors.MAX_HEADER), size)
-            if end > off + 8:
-                self._fetch_batch(tmp, [(rel, off + 8, end)])
+                head = f.read(9)
+            n = int.from_bytes(head[:8], "little")
+            if not _fmt_safetensors.looks_like_blob(head) or n > min(
+                    budget, _fmt_safetensors.MAX_HEADER, size - off - 8):
+                continue
+            budget -= n
+            for start in range(off + 9, off + 8 + n, _FETCH_BATCH):
+                self._fetch_batch(tmp, [(rel, start, min(off + 8 + n, start + _FETCH_BATCH))])
+        return fetched
 
     def _free(self, tmp: str, names) -> None:
         """Give back the space of the ranges fetched into ``names`` (the
@@ -549,11 +666,16 @@ class FsspecReader(StorageReader):
 
     def _fetch_batch(self, tmp: str, batch: list) -> None:
         store = self.store
-        datas = store.fs.cat_ranges([store.join(r) for r, _, _ in batch],
-                                    [s for _, s, _ in batch], [e for _, _, e in batch],
-                                    on_error="raise")
+        try:
+            datas = store.fs.cat_ranges([store.join(r) for r, _, _ in batch],
+                                        [s for _, s, _ in batch], [e for _, _, e in batch],
+                                        on_error="raise")
+        except FileNotFoundError:
+            self._check_pins({r for r, _, _ in batch})  # removed by another save
+            raise
         for (rel, start, end), data in zip(batch, datas):
             if len(data) != end - start:
+                self._check_pins({rel})
                 raise CorruptCheckpointError(
                     f"{store.where(rel)}: read {len(data)} of the {end - start} bytes at "
                     f"offset {start} (the file is shorter than its listing: changed "
@@ -608,6 +730,8 @@ def _renamed(e: BaseException, tmp: str, url: str) -> BaseException:
         filename = e.filename.replace(tmp, url) if isinstance(e.filename, str) else e.filename
         return type(e)(e.errno, (e.strerror or "").replace(tmp, url), filename)
     try:
-        return type(e)(str(e).replace(tmp, url))
+        new = type(e)(str(e).replace(tmp, url))
     except Exception:
         return e
+    new.__dict__.update({k: v for k, v in e.__dict__.items() if k not in new.__dict__})
+    return new

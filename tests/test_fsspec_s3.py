@@ -89,3 +89,23 @@ def test_s3_checkpoint_id_routing_and_interop(s3, tmp_path, monkeypatch):
             load(out, checkpoint_id=url)
             assert_state_bit_equal(out, sd)
     assert os.listdir(tmp_path) == []
+
+
+def test_s3_resave_in_place_between_turns_is_refused(s3, tmp_path, monkeypatch):
+    """Issue 31, item 2 on S3: torch's FsspecWriter rewrites __0_0.distcp
+    between two turns of a dcpx load; the object's ETag changes and the load
+    is refused naming it (before: the values of two saves, no error)."""
+    from test_fsspec_pinned import _state, rewrite_between_turns
+    monkeypatch.chdir(tmp_path)
+    bucket, opts = s3
+    url = f"s3://{bucket}/pinned/step1"
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as TorchWriter
+
+    def torch_save(v: float) -> None:
+        tdcp.save(_state(v), storage_writer=TorchWriter(url, **opts))
+
+    torch_save(100.0)
+    with pytest.raises(dcpx.CorruptCheckpointError) as e:
+        got = rewrite_between_turns(monkeypatch, url, lambda: torch_save(200.0), **opts)
+        pytest.fail(f"loaded values of saves {got} without an error")
+    assert f"{url}/__0_0.distcp" in str(e.value) and "ETag" in str(e.value), str(e.value)

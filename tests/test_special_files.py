@@ -192,7 +192,7 @@ def test_c_reader_refuses_a_file_swapped_after_validation(saved, kind):
     reads = []
     for index, info in md.storage_data.items():
         if index.offset is not None:
-            chunk, dtype = reader._chunk_of(index)
+            chunk, dtype = reader.chunk_of(index)
             reads.append(dcpx.storage.reader._TensorRead(
                 index.fqn, info, chunk, dtype, torch.empty(chunk, dtype=dtype), None))
     expect = {"symlink": "symbolic link", "fifo": "FIFO", "directory": "directory"}[kind]

@@ -22,6 +22,7 @@ from typing import Any, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 # torch's own save / load, captured once from their defining modules: a
@@ -49,7 +50,7 @@ from ..storage.reader import FileSystemReader
 from .._torchcompat import NO_DIST_WARNING, any_checkpointable_tensor, torch_kwargs
 from ..coordination.unasked import warn_unloaded
 from ..storage.writer import FileSystemWriter
-from ..errors import checkpoint_errors
+from ..errors import checkpoint_errors, own_failure
 
 
 __all__ = ["save", "load"]
@@ -335,9 +336,19 @@ def load(
     elif not fast:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
-            _torch_load(stateful_sd, storage_reader=reader, planner=planner,
-                        process_group=process_group,
-                        **torch_kwargs(_torch_load, "load", no_dist=no_dist))
+            try:
+                _torch_load(stateful_sd, storage_reader=reader, planner=planner,
+                            process_group=process_group,
+                            **torch_kwargs(_torch_load, "load", no_dist=no_dist))
+            except CheckpointException as e:
+                # torch's bare CheckpointException (a BaseException): this
+                # rank's own error instead (a URL's CorruptCheckpointError...)
+                rank = dist.get_rank(process_group) if distributed else 0
+                w = own_failure(e, rank, getattr(reader, "checkpoint_id", None) or checkpoint_id)
+                if w is e:
+                    raise
+                w.__suppress_context__ = True
+                raise w  # noqa: B904 (torch's dump of the same error is not its cause)
     if fast and planner is not None:  # set up as torch's load leaves it
         _planner_state.after_load(planner, stateful_sd,
                                   not distributed or dist.get_rank(process_group) == 0, reader)

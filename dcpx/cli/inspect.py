@@ -51,8 +51,14 @@ def _value_entry(reader, key: str, info, read: bool) -> tuple[dict, str]:
     if info.length > VALUE_READ_MAX:
         out["not_read"] = f"record of {human(info.length)} (over {human(VALUE_READ_MAX)})"
         return out, ""
+    from ..formats.transforms import InflatesTooFar
     try:
-        v = reader.load_value(key, info)     # CRC-checked, allow-list unpickler
+        # CRC-checked, allow-list unpickler; a compressed record inflated to
+        # VALUE_READ_MAX bytes at most
+        v = reader.load_value(key, info, limit=VALUE_READ_MAX)
+    except InflatesTooFar:
+        out["not_read"] = f"record inflates past {human(VALUE_READ_MAX)}"
+        return out, ""
     except Exception as e:
         msg = str(e) or type(e).__name__
         out["error"] = msg

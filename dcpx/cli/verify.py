@@ -20,7 +20,8 @@ def _check_archive(reader: FileSystemReader, index, info) -> int:
     if is_raw(info):
         return 0
     if getattr(info, "transform_descriptors", None):
-        raw = reader.read_record(index.fqn, info)
+        chunk, dtype = reader.chunk_of(index)  # inflated to the chunk's bytes at most
+        raw = reader.read_tensor_record(index.fqn, info, chunk, dtype)
     else:
         raw = read_regular(reader.path / info.relative_path, info.offset, info.length)
     return check_zip_crcs(raw, f"{reader.path / info.relative_path} at offset {info.offset}")

@@ -64,6 +64,7 @@ def resolve(directory: Path, metadata: Metadata) -> Metadata:
     if not cands:
         return metadata
     blobs = {}
+    budget = st.header_budget(metadata, len(cands))  # headers longer: refused unread
     for rel, off in sorted(cands):
         path = directory / rel
         fd = open_regular(path)
@@ -72,7 +73,8 @@ def resolve(directory: Path, metadata: Metadata) -> Metadata:
         finally:
             os.close(fd)
         if st.looks_like_blob(head):
-            blobs[(rel, off)] = st.read_blob(path, off)
+            blob = blobs[(rel, off)] = st.read_blob(path, off, budget)
+            budget -= blob.header_len
         # else: a TORCH_SAVE record; the C reader says what is wrong with it
     if not blobs:
         return metadata

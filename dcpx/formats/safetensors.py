@@ -54,6 +54,16 @@ SHARDING_KEY = "DCP_SHARDING_INFO"
 VERSION_KEY = "DCP_VERSION"
 #: safetensors refuses headers larger than this (100 MB); so does dcpx
 MAX_HEADER = 100_000_000
+#: A checkpoint's headers may hold, per tensor chunk its metadata declares,
+#: at most this many bytes, plus _PER_KEY_BYTE per byte of the key (UTF-8)
+#: and _PER_DIM per dimension (torch's and dcpx's writers need about half:
+#: the key and its chunk's shape in the entry, again JSON-escaped twice in
+#: DCP_SHARDING_INFO), plus HEADER_SLACK per header (``__metadata__``,
+#: padding).  A longer header is refused before it is read (``header_budget``).
+_PER_CHUNK = 256
+_PER_KEY_BYTE = 16
+_PER_DIM = 64
+HEADER_SLACK = 64 << 10
 
 
 @dataclass
@@ -183,6 +193,22 @@ def candidates(metadata: Metadata) -> set:
     return out
 
 
+def header_budget(metadata: Metadata, headers: int) -> int:
+    """The most bytes the safetensors headers of ``metadata``'s checkpoint
+    may hold together, ``headers`` of them at most: what its tensor chunks
+    need (_PER_CHUNK, _PER_KEY_BYTE, _PER_DIM) plus HEADER_SLACK each.  A
+    header padded or stuffed with entries past this would cost memory (and
+    a URL load local space) out of proportion to the checkpoint; nothing
+    is read."""
+    total = HEADER_SLACK * int(headers)
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            key = len(str(fqn).encode("utf-8", "surrogatepass"))
+            total += len(md.chunks) * (_PER_CHUNK + _PER_KEY_BYTE * key
+                                       + _PER_DIM * len(md.size))
+    return total
+
+
 def looks_like_blob(head: bytes) -> bool:
     """Whether 9 bytes read at an entry's offset start a safetensors blob
     (a header length below 4 GiB, then '{'), not a zip record ('PK\\3\\4',
@@ -195,6 +221,7 @@ class Blob:
 
     def __init__(self, path: Path, offset: int, entries: dict, meta: dict, data_start: int):
         self.path, self.offset = path, offset
+        self.header_len = data_start - offset - 8  # the JSON's bytes
         self.entries = entries          # key -> (dtype name, shape, begin, end)
         self.meta = meta
         self.data_start = data_start    # file offset of data_offsets' 0
@@ -211,8 +238,9 @@ def _pread(fd: int, n: int, off: int) -> bytes:
     return b"".join(parts)
 
 
-def read_blob(path: Path, offset: int) -> Blob:
-    """Parse and check the safetensors header at ``offset`` of ``path``:
+def read_blob(path: Path, offset: int, limit: Optional[int] = None) -> Blob:
+    """Parse and check the safetensors header at ``offset`` of ``path``
+    (refused unread when longer than ``limit``, what header_budget leaves):
     the length lies inside the file, the header is a JSON object, every
     tensor's dtype is known, its shape is a list of non-negative ints, its
     data_offsets [begin, end] lie inside the data and hold exactly
@@ -231,6 +259,13 @@ def read_blob(path: Path, offset: int) -> Blob:
             raise CorruptCheckpointError(
                 f"{path}: safetensors header at offset {offset} says it is {n} bytes long; "
                 f"the file has {size - offset - 8} after it (truncated or corrupt)")
+        if limit is not None and n > limit:
+            raise CorruptCheckpointError(
+                f"{path}: safetensors header at offset {offset} says it is {n} bytes long; "
+                f"the checkpoint's metadata leaves its headers {max(limit, 0)} bytes (per tensor "
+                f"chunk {_PER_CHUNK} + {_PER_KEY_BYTE} per byte of its key + {_PER_DIM} per "
+                f"dimension, {HEADER_SLACK} per header): refused before reading it (padded "
+                f"or forged)")
         text = _pread(fd, n, offset + 8)
     finally:
         os.close(fd)

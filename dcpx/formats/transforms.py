@@ -24,6 +24,20 @@ from typing import Any, Optional, Sequence
 from .. import _C
 from ..errors import CorruptCheckpointError, UnsupportedFormatError
 
+#: Undoing the transforms reads this much at a time (what is held beyond
+#: the record's own bytes while it inflates).
+_CHUNK = 1 << 20
+#: A tensor record inflates to a ``torch.save`` archive of the chunk's
+#: bytes plus its zip records and pickle: at most this many bytes more (and
+#: 64 per dimension: the pickled shape and strides).
+ARCHIVE_SLACK = 64 << 10
+#: A value's record (no size in the metadata) may inflate to at most this
+#: many times its stored bytes, and to this many bytes in any case; more is
+#: refused as a decompression bomb unless the reader trusts the checkpoint
+#: (``allow_pickle=True``).
+VALUE_RATIO = 1024
+VALUE_FLOOR = 64 << 20
+
 _SKIP_MAGIC = 0x184D2A5D
 _TRAILER = struct.pack("<II", _SKIP_MAGIC, 8) + b"DCPX"
 TRAILER_LEN = len(_TRAILER) + 4
@@ -50,10 +64,33 @@ def extensions_for(descriptors: Sequence[str], registry: Any, where: str) -> lis
             f"damaged: {hint}") from None
 
 
+class InflatesTooFar(CorruptCheckpointError):
+    """A transformed record inflates past the bytes it may hold (``limit``)."""
+
+    def __init__(self, msg: str, limit: Optional[int] = None) -> None:
+        super().__init__(msg)
+        self.limit = limit
+
+
+def tensor_limit(nbytes: int, ndim: int) -> int:
+    """The most bytes a tensor chunk's record of ``nbytes`` bytes (the
+    metadata's chunk size times its dtype's) may inflate to."""
+    return int(nbytes) + ARCHIVE_SLACK + 64 * int(ndim)
+
+
+def value_limit(stored: int) -> int:
+    """The most bytes a value's record of ``stored`` bytes may inflate to."""
+    return max(VALUE_FLOOR, int(stored) * VALUE_RATIO)
+
+
 def decode(data: bytes, descriptors: Sequence[str], registry: Any, where: str,
-           verify: bool = True) -> bytes:
+           verify: bool = True, limit: Optional[int] = None, why: str = "") -> bytes:
     """A record's bytes as they were before the transforms.  dcpx's CRC
-    trailer, when present, is checked first (``verify``)."""
+    trailer, when present, is checked first (``verify``).  Inflated in
+    chunks of _CHUNK bytes, never more than ``limit`` bytes (None: no
+    limit): a record that would inflate further raises InflatesTooFar
+    (``why`` says where the limit comes from) having held at most
+    ``limit`` + _CHUNK bytes of its output."""
     exts = extensions_for(descriptors, registry, where)
     if (verify and str(descriptors[0]).startswith(_ZSTD) and len(data) >= TRAILER_LEN
             and data[-TRAILER_LEN:-4] == _TRAILER):
@@ -68,11 +105,29 @@ def decode(data: bytes, descriptors: Sequence[str], registry: Any, where: str,
     for ex in exts:
         if isinstance(ex, StreamTransformExtension):
             stream = ex.transform_from(stream)
+    # Parts joined once at the end (a growing buffer's reallocations can
+    # hold two copies of it at once).
+    parts: list = []
+    held = 0
     try:
-        return stream.read(-1)
+        while True:
+            want = _CHUNK if limit is None else min(_CHUNK, limit + 1 - held)
+            part = stream.read(want)
+            if not part:
+                break
+            parts.append(part)
+            held += len(part)
+            if limit is not None and held > limit:
+                raise InflatesTooFar(
+                    f"{where}: the record ({len(data)} bytes stored) inflates past {limit} "
+                    f"bytes{why}: refused (a decompression bomb, or a damaged record); "
+                    f"stopped after {held} bytes", limit)
+    except CorruptCheckpointError:
+        raise
     except Exception as e:  # the decompressor's own error (zstd: "corrupt frame", ...)
         raise CorruptCheckpointError(f"{where}: cannot undo stream transforms "
                                      f"{list(descriptors)}: {type(e).__name__}: {e}") from None
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class _NoClose(io.RawIOBase):

@@ -14,6 +14,7 @@ the process is killed, and the preemption recipes (SLURM, Kubernetes).
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import shutil
@@ -28,11 +29,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..api.save_load import load as _load, save as _save
 from ..api.async_save import AsyncCheckpointerType, async_save as _async_save
 from ..api.save_load import check_not_bootstrapping, wrap_state_dict
-from ..errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsafeCheckpointError,
+    own_failure,
+)
 from .tiers import LocalTier
 from ..filesystem import (  # noqa: F401  (DELETING_PREFIX, STEP_RE: the manager's names too)
     DELETING_PREFIX,
@@ -129,10 +137,15 @@ def _user_metadata_bytes(metadata: Optional[dict]) -> Optional[bytes]:
                         f"{type(metadata).__name__}")
     import json
     try:
-        return json.dumps(metadata, sort_keys=True, allow_nan=True).encode()
+        data = json.dumps(metadata, sort_keys=True, allow_nan=True).encode()
     except (TypeError, ValueError) as e:
         raise TypeError(f"dcpx.CheckpointManager.save: metadata must be JSON-serializable "
                         f"(it is stored as {USER_METADATA_FN}): {e}") from None
+    if len(data) > _MAX_USER_METADATA:  # step_metadata() would call it corrupt
+        raise ValueError(f"dcpx.CheckpointManager.save: metadata is {len(data)} bytes as JSON; "
+                         f"{USER_METADATA_FN} holds at most {_MAX_USER_METADATA} (save large "
+                         f"data in the state dict instead); nothing was saved")
+    return data
 
 
 def _check_best(k: Optional[int], metric: Optional[str], mode: str) -> tuple:
@@ -193,6 +206,9 @@ class _LocalRoot:
             return os.listdir(self.path)
         except FileNotFoundError:
             return []
+
+    def exists(self) -> bool:
+        return os.path.isdir(self.path)
 
     def committed(self, name: str) -> bool:
         return os.path.isfile(self.path / name / _METADATA)
@@ -312,6 +328,10 @@ class _FsspecRoot:
         except FileNotFoundError:
             return []
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+    def exists(self) -> bool:
+        """The root holds something (an object store has no empty folders)."""
+        return bool(self.names()) or self.fs.isdir(self.root)
 
     def committed(self, name: str) -> bool:
         return self.fs.isfile(f"{self.root}/{name}/{_METADATA}")
@@ -920,7 +940,12 @@ class CheckpointManager:
         kind = "ok"
         try:
             _load(state_dict, **kw)
-        except Exception as e:
+        except (Exception, CheckpointException) as e:  # torch's is a BaseException
+            if not isinstance(e, Exception):
+                e = own_failure(e, dist.get_rank(self.process_group) if self._dist() else 0,
+                                kw.get("checkpoint_id") or step_dir(step))
+                if not isinstance(e, Exception):
+                    raise
             err = e
             kind = _fault(e)
             if _is_unsafe(e):
@@ -1028,14 +1053,17 @@ class CheckpointManager:
                 f"{USER_METADATA_FN}: not a JSON object")
         return out
 
-    def _metric(self, step: int) -> Optional[float]:
+    def _metric(self, step: int) -> Union[int, float, None]:
         try:
             v = self.step_metadata(step).get(self.best_metric)
         except Exception:  # unreadable: not ranked (the other retention rules apply)
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
             return None
-        return float(v)
+        # As it is: an int past float's range (10**400) ranks exactly
+        # (Python compares ints and floats exactly); float() of it raised
+        # OverflowError, and every retention pass failed from then on.
+        return v
 
     def best_steps(self, steps: Optional[Sequence[int]] = None) -> list[int]:
         """The ``keep_best_k`` committed steps (of ``steps``, if given) with
@@ -1068,12 +1096,32 @@ class CheckpointManager:
                                       verify=self.verify, storage_options=opts,
                                       load_options=self.load_options)
             try:
+                other._check_source(step)
                 got = other.load(part, step)
             finally:
                 other.close()
         for k, v in part.items():  # values dcpx.load replaced
             state_dict[k] = v
         return got
+
+    def _check_source(self, step: Optional[int]) -> None:
+        """A root named by ``load(root=...)`` must exist and, without
+        ``step``, hold a committed step: loading from it is asked for, so an
+        empty or mistyped root is an error, not a fresh run (torchtitan's
+        ``initial_load_path`` likewise).  IncompleteCheckpointError (a
+        FileNotFoundError) saying which."""
+        if not self._root.exists():
+            raise IncompleteCheckpointError(
+                errno.ENOENT, f"dcpx.CheckpointManager.load: root={self.root!r} does not exist "
+                              f"(mistyped?); nothing was loaded", self.root)
+        if step is None:
+            committed, uncommitted = self._scan()
+            if not committed:
+                also = (f" ({len(uncommitted)} uncommitted: interrupted or still being "
+                        f"written)" if uncommitted else "")
+                raise IncompleteCheckpointError(
+                    errno.ENOENT, f"dcpx.CheckpointManager.load: root={self.root!r} holds no "
+                                  f"committed step{also}; nothing was loaded", self.root)
 
     def export(self, dest: Union[str, os.PathLike], step: Optional[int] = None, *,
                prefix: str = "model", max_shard_size: Optional[str] = None,

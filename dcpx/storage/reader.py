@@ -313,7 +313,7 @@ class FileSystemReader(StorageReader):
                     planner.load_bytes(req, io.BytesIO(self.read_bytes(req.storage_index.fqn,
                                                                        info)))
                 continue
-            chunk, dtype = self._chunk_of(req.storage_index)
+            chunk, dtype = self.chunk_of(req.storage_index)
             target = planner.resolve_tensor(req).detach()
             full = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(chunk)
             reads.append(_TensorRead(req.storage_index.fqn, info, chunk, dtype, target,
@@ -398,23 +398,45 @@ class FileSystemReader(StorageReader):
             self._extension_registry = _fmt_transforms.default_registry()
         return self._extension_registry
 
-    def read_record(self, key: str, info: _StorageInfo) -> bytes:
+    def read_record(self, key: str, info: _StorageInfo, limit: Optional[int] = None,
+                    why: str = "") -> bytes:
         """A record's bytes as written before any stream transform (the
-        ``torch.save`` archive or bytes item), read whole."""
+        ``torch.save`` archive or bytes item), read whole.  A transformed
+        record is inflated to at most ``limit`` bytes (``why``: where that
+        limit comes from), default: a value's (``_fmt_transforms.value_limit``,
+        none with ``allow_pickle``); past it, InflatesTooFar."""
         path = self.path / info.relative_path
         data = read_regular(path, info.offset, info.length)
         if len(data) != info.length:
             raise CorruptCheckpointError(f"{path}: key {key!r}: file is truncated")
         if getattr(info, "transform_descriptors", None):
+            if limit is None and not self.allow_pickle:
+                limit = _fmt_transforms.value_limit(info.length)
+                why = (f" ({_fmt_transforms.VALUE_RATIO} times its stored size, at least "
+                       f"{_fmt_transforms.VALUE_FLOOR}: the most a value may inflate to unless "
+                       f"the checkpoint is trusted, allow_pickle=True)")
             data = _fmt_transforms.decode(data, info.transform_descriptors, self.registry(),
-                                          f"{path}: key {key!r}", self.verify)
+                                          f"{path}: key {key!r}", self.verify, limit, why)
         return data
+
+    def read_tensor_record(self, key: str, info: _StorageInfo, chunk: Sequence[int],
+                           dtype: torch.dtype) -> bytes:
+        """A tensor chunk's record (``chunk``: its sizes, ``dtype``: its
+        saved dtype, as the metadata gives them), inflated to at most the
+        chunk's bytes plus an archive's records (_fmt_transforms.tensor_limit)."""
+        numel = 1
+        for n in chunk:
+            numel *= int(n)
+        nbytes = numel * dtype.itemsize
+        return self.read_record(key, info, _fmt_transforms.tensor_limit(nbytes, len(chunk)),
+                                f" (the metadata's {tuple(int(n) for n in chunk)} {dtype} chunk "
+                                f"is {nbytes} bytes, in a torch.save archive)")
 
     def read_chunk(self, index: MetadataIndex) -> torch.Tensor:
         """The saved chunk at storage ``index`` (a key and a chunk's offsets)
         of the metadata this reader was set up with, in its saved shape and
         dtype, CRC-checked (``verify``)."""
-        chunk, dtype = self._chunk_of(index)
+        chunk, dtype = self.chunk_of(index)
         info = self.storage_data.get(index)
         if info is None:
             raise CorruptCheckpointError(
@@ -466,7 +488,10 @@ class FileSystemReader(StorageReader):
         self.read_tensors(reads)
         return full
 
-    def _chunk_of(self, index: MetadataIndex) -> tuple:
+    def chunk_of(self, index: MetadataIndex) -> tuple:
+        """(sizes, dtype) of the saved chunk ``index`` names, from the
+        metadata this reader was set up with (what a compressed record may
+        inflate to at most: ``dcpx verify`` asks too)."""
         if self._chunks is None:
             self._chunks = {}
             for fqn, md in self._state_dict_metadata.items():
@@ -479,23 +504,26 @@ class FileSystemReader(StorageReader):
             raise CorruptCheckpointError(
                 f"{self.path}: no chunk of {index.fqn!r} at offset {tuple(index.offset)}") from None
 
-    def read_bytes(self, key: str, info: _StorageInfo, check: bool = True) -> Any:
+    def read_bytes(self, key: str, info: _StorageInfo, check: bool = True,
+                   limit: Optional[int] = None) -> Any:
         """The raw bytes of a bytes item, after checking (unless ``check`` is
         False or allow_pickle is set) that they unpickle under the allow-list
-        (dcpx.formats.values; ``load_value`` reads and unpickles in one pass)."""
+        (dcpx.formats.values; ``load_value`` reads and unpickles in one pass).
+        ``limit``: read_record's."""
         path = self.path / info.relative_path
-        data = self.read_record(key, info)
+        data = self.read_record(key, info, limit)
         if self.verify:
             check_zip_crcs(data, f"{path}: key {key!r}")
         if check and not self.allow_pickle:
             _values.loads(data, f"{path}: key {key!r}")
         return data
 
-    def load_value(self, key: str, info: _StorageInfo) -> Any:
+    def load_value(self, key: str, info: _StorageInfo, limit: Optional[int] = None) -> Any:
         """A non-tensor value, read, CRC-checked and unpickled once: under
         the allow-list of code-free types (dcpx.formats.values, docs/api.md), or
-        with full pickle if the reader was built with allow_pickle=True."""
-        data = self.read_bytes(key, info, check=False)
+        with full pickle if the reader was built with allow_pickle=True.
+        ``limit``: read_record's."""
+        data = self.read_bytes(key, info, check=False, limit=limit)
         return _values.loads(data, f"{self.path / info.relative_path}: key {key!r}",
                              allow_pickle=self.allow_pickle)
 
@@ -674,11 +702,12 @@ class FileSystemReader(StorageReader):
         path = self.path / r.info.relative_path
         if getattr(r.info, "transform_descriptors", None):
             try:
-                raw = self.read_record(r.key, r.info)
+                raw = self.read_tensor_record(r.key, r.info, r.chunk, r.dtype)
                 if self.verify:
                     check_zip_crcs(raw, f"{path}: key {r.key!r}")
             except CorruptCheckpointError as e:
-                if r.info.length != r.chunk.numel() * r.dtype.itemsize:
+                if (r.info.length != r.chunk.numel() * r.dtype.itemsize
+                        or isinstance(e, _fmt_transforms.InflatesTooFar)):
                     raise
                 # torch's SAFETENSORS writer with _extensions records an empty
                 # compressed frame per tensor and the tensor's byte count

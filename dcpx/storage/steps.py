@@ -9,7 +9,7 @@ import re
 from typing import Optional, Union
 
 #: a step folder: ``step-{N}``
-STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
+STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)\Z")  # \Z: "$" matches before a final "\n"
 #: a step being deleted (renamed first, so that it is never seen as a step)
 DELETING_PREFIX = ".deleting-"
 
