@@ -37,10 +37,11 @@ from . import _C, _locks, _metadata
 from ._files import _fsync_dir, open_regular, read_regular
 from .errors import CorruptCheckpointError
 
-STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)$")
-KEY_RE = re.compile(r"^r[0-9a-f]{1,32}-s[0-9]{1,18}$")
-PIECE_RE = re.compile(r"^rank-(0|[1-9][0-9]*)-of-([1-9][0-9]*)$")
-_FILE_RE = re.compile(r"^(\.metadata|__\d+_[0-9a-f_]+\.distcp|__\d+_\d+\.distcp)$")
+# \Z, not $: $ also matches before a final newline ("step-3\n", ".metadata\n")
+STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)\Z")
+KEY_RE = re.compile(r"^r[0-9a-f]{1,32}-s[0-9]{1,18}\Z")
+PIECE_RE = re.compile(r"^rank-(0|[1-9][0-9]*)-of-([1-9][0-9]*)\Z")
+_FILE_RE = re.compile(r"^(\.metadata|__\d+_[0-9a-f_]+\.distcp|__\d+_\d+\.distcp)\Z")
 _INCOMING = ".incoming-"
 _DELETING = ".deleting-"
 #: records start at this alignment in a data file (docs/format.md)
@@ -99,19 +100,30 @@ def remove_tree(path: Path) -> None:
     """Remove a step, key or piece folder: renamed first (it stops being one
     at once; several ranks of a node may race, the rename picks one), then
     its files.  Gone already: nothing to do."""
-    import shutil
     hidden = path.parent / f"{_DELETING}{path.name}-{uuid.uuid4().hex[:8]}"
     try:
         os.rename(path, hidden)
     except FileNotFoundError:
         return
-    shutil.rmtree(hidden, ignore_errors=True)
+    _remove(hidden)
+
+
+def _remove(path: Path) -> None:
+    """A folder and its files; a link (to a folder) itself only, never what
+    it points at (rmtree refuses a link, which ignore_errors left behind)."""
+    import shutil
+    if os.path.islink(path):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def remove_debris(local_root: Path) -> None:
     """Folders a killed transfer or deletion left (``.incoming-``,
     ``.deleting-``), at any level of ``local_root``."""
-    import shutil
     root = Path(local_root)
     stack = [root]
     for sname, _ in _subdirs(root, STEP_RE):
@@ -124,7 +136,7 @@ def remove_debris(local_root: Path) -> None:
             continue
         for name in names:
             if name.startswith((_INCOMING, _DELETING)):
-                shutil.rmtree(d / name, ignore_errors=True)
+                _remove(d / name)
 
 
 def piece_bytes(piece: Path) -> int:

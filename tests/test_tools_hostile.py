@@ -359,3 +359,48 @@ def test_many_chunks_shapes_decode_alike_both_ways():
             raw, n = many_chunks.build(data, max_chunks=3000)
             assert n > 100
             many_chunks.check(raw, n, timed=False)
+
+
+# -- the tier's piece names and folders (issue 31, item 11) -------------------------------
+
+@pytest.mark.parametrize("name", [".metadata\n", "__0_0.distcp\n"])
+def test_piece_index_refuses_a_name_with_a_trailing_newline(name):
+    from dcpx import _pieces
+    index = [[".metadata", 4, 0], ["__0_0.distcp", 4, 0]]
+    _pieces.decode_index(json.dumps(index).encode(), "peer 1")          # the real names pass
+    bad = [[name if n == name.rstrip("\n") else n, s, c] for n, s, c in index]
+    with pytest.raises(CorruptCheckpointError, match="peer 1"):
+        _pieces.decode_index(json.dumps(bad).encode(), "peer 1")
+    for pattern, ok in ((_pieces.STEP_RE, "step-3"), (_pieces.KEY_RE, "r1-s2"),
+                        (_pieces.PIECE_RE, "rank-0-of-2")):
+        assert pattern.match(ok) and not pattern.match(ok + "\n")
+
+
+def test_piece_received_over_a_symlinked_destination_leaves_no_link(tmp_path):
+    """A piece folder that is a link to a folder elsewhere: the piece
+    received replaces the link (the link goes, not what it points at) and
+    no ``.deleting-`` entry is left behind; one a killed deletion left is
+    removed as a link too."""
+    from dcpx import _C, _pieces
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("not the tier's")
+    key_dir = tmp_path / "root" / "step-1" / "r1-s1"
+    key_dir.mkdir(parents=True)
+    dest = key_dir / "rank-0-of-1"
+    dest.symlink_to(target, target_is_directory=True)
+    data = b"meta"
+    inc = _pieces.Incoming(dest, [[".metadata", len(data), _C.crc32(data)]], "test", sync=False)
+    try:
+        inc.views()[0][:] = data
+        inc.commit()
+    finally:
+        inc.close()
+    assert sorted(os.listdir(key_dir)) == ["rank-0-of-1"], os.listdir(key_dir)
+    assert not dest.is_symlink() and (dest / ".metadata").read_bytes() == data
+    assert (target / "keep.txt").read_text() == "not the tier's"
+    # a .deleting- link left by a killed deletion: removed, its target kept
+    (key_dir / ".deleting-rank-1-of-2-0123abcd").symlink_to(target, target_is_directory=True)
+    _pieces.remove_debris(tmp_path / "root")
+    assert sorted(os.listdir(key_dir)) == ["rank-0-of-1"]
+    assert (target / "keep.txt").read_text() == "not the tier's"
