@@ -404,3 +404,23 @@ def test_piece_received_over_a_symlinked_destination_leaves_no_link(tmp_path):
     _pieces.remove_debris(tmp_path / "root")
     assert sorted(os.listdir(key_dir)) == ["rank-0-of-1"]
     assert (target / "keep.txt").read_text() == "not the tier's"
+
+
+# -- a Hugging Face index naming a key its shard lacks (issue 31, item 3) ----------------
+
+def test_convert_refuses_an_index_key_no_shard_holds(tmp_path, capsys):
+    """The index maps 'lost' to a shard that does not hold it: convert
+    fails naming the key and the shard and writes no output (it wrote an
+    output without the key, exit 0)."""
+    st = pytest.importorskip("safetensors.torch")
+    d = _hf_folder(tmp_path, {"w": "model-00001-of-00002.safetensors",
+                              "lost": "model-00002-of-00002.safetensors"})
+    (d / "model-00001-of-00001.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    st.save_file({"other": torch.ones(2)}, str(d / "model-00002-of-00002.safetensors"))
+    for out in (tmp_path / "out", tmp_path / "out.safetensors", tmp_path / "out.pt"):
+        assert _cli("convert", d, out) == 1
+        err = capsys.readouterr().err
+        assert "'lost'" in err and "model-00002-of-00002.safetensors" in err, err
+        assert not out.exists()
+    assert _cli("diff", d, d) == 1
+    assert "'lost'" in capsys.readouterr().err

@@ -418,6 +418,7 @@ class SafetensorsSource(Source):
         need_safetensors()
         from safetensors import safe_open
         self.path = Path(path)
+        index: Optional[Path] = None
         if self.path.is_dir():
             index = self.path / SAFETENSORS_INDEX
             if index.exists():
@@ -427,8 +428,10 @@ class SafetensorsSource(Source):
                 if not files:
                     raise NoCheckpoint(f"{self.path}: no {SAFETENSORS_INDEX} and no "
                                        f"*.safetensors file in it")
+                index = None
         elif self.path.name.endswith(".index.json"):
-            files = self._shards(self.path)
+            index = self.path
+            files = self._shards(index)
         else:
             files = [self.path]
         self._handles = {}
@@ -448,6 +451,14 @@ class SafetensorsSource(Source):
                     raise CliError(f"{f}: key {k!r} is also in another shard")
                 self._where[k] = h
                 self._file[k] = f
+        if index is not None:
+            # every key the index names is in a shard: a shard that lacks
+            # one would make an output without it
+            for key, name in self._weight_map.items():
+                if key not in self._where:
+                    raise CliError(f"{index}: names the key {key!r} in the shard {name}, "
+                                   f"which does not hold it (nor does any other shard the "
+                                   f"index names): damaged or mismatched folder")
 
     def _shards(self, index: Path) -> list[Path]:
         regular_file(index, "safetensors index ")
@@ -462,6 +473,7 @@ class SafetensorsSource(Source):
             if not isinstance(name, str):
                 raise CliError(f"{index}: weight_map[{key!r}] is a {type(name).__name__} "
                                f"({str(name)[:80]}), not the name of a shard file")
+        self._weight_map = weight_map
         files = []
         for name in dict.fromkeys(weight_map.values()):
             files.append(shard_path(index, name))
