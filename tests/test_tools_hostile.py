@@ -424,3 +424,51 @@ def test_convert_refuses_an_index_key_no_shard_holds(tmp_path, capsys):
         assert not out.exists()
     assert _cli("diff", d, d) == 1
     assert "'lost'" in capsys.readouterr().err
+
+
+# -- a torch.save input whose state dict nests shared containers (issue 31, item 6) -------
+
+def test_convert_and_diff_refuse_a_state_dict_of_shared_nesting(tmp_path):
+    """A 2 KB torch.save file whose state dict is a dict (or list of
+    tensors and lists) of two references to one ... 40 levels deep: it
+    flattens into 2**40 keys; convert and diff hung in flattening it.  In a
+    subprocess, so that a hang fails the test (the limit is no timing)."""
+    import subprocess
+    import sys
+    names = []
+    for kind in ("dict", "list"):
+        x: object = {"t": torch.ones(1)} if kind == "dict" else [torch.ones(1)]
+        for _ in range(40):
+            x = {"a": x, "b": x} if kind == "dict" else [x, x]
+        torch.save({"w": torch.ones(2), "v": x}, tmp_path / f"{kind}.pt")
+        assert (tmp_path / f"{kind}.pt").stat().st_size < 8192
+        names.append(f"{kind}.pt")
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from dcpx.cli import main\n"
+        "root, out = sys.argv[1], []\n"
+        "for name in sys.argv[2:]:\n"
+        "    f = root + '/' + name\n"
+        "    for argv in (['convert', f, f + '.out'], ['diff', f, f]):\n"
+        "        err = io.StringIO()\n"
+        "        with contextlib.redirect_stderr(err):\n"
+        "            rc = main(argv)\n"
+        "        out.append((argv, rc, err.getvalue()))\n"
+        "json.dump(out, open(root + '/out.json', 'w'))\n")
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path), *names],
+                       env=dict(os.environ, PYTHONPATH=str(repo)), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for argv, rc, err in json.loads((tmp_path / "out.json").read_text()):
+        assert rc == 1 and Path(argv[1]).name in err and "shared" in err, (argv, err)
+        assert not Path(argv[1] + ".out").exists()
+
+
+def test_shared_containers_of_a_sane_size_still_convert(tmp_path):
+    tied = [torch.arange(3.0)]
+    torch.save({"a": tied, "b": tied}, tmp_path / "tied.pt")
+    assert _cli("convert", tmp_path / "tied.pt", tmp_path / "tied") == 0
+    got = {"a": [torch.empty(3)], "b": [torch.empty(3)]}
+    dcpx.load(got, checkpoint_id=tmp_path / "tied")
+    assert torch.equal(got["b"][0], tied[0])

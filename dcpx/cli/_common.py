@@ -264,6 +264,7 @@ class TorchSource(Source):
         # same nested state dict (lists of dicts, e.g. an optimizer's
         # param_groups, down to their leaves; not as one value, which only
         # torch's 2.3 fallback would find).
+        check_walk(obj, self.path)
         try:
             flat = list(flatten(obj))
         except ValueError as e:      # torch's "duplicated flatten key a.b"
@@ -295,6 +296,48 @@ class TorchSource(Source):
         import torch
         if self.mapped and not self.swapped and isinstance(value, torch.Tensor):
             release_pages(value, self.path)
+
+
+#: entries a state dict may hold per byte of its pickle (plus WALK_MIN),
+#: counting each visit of a container reached several times
+WALK_PER_BYTE = 16
+WALK_MIN = 1_000_000
+
+
+def check_walk(obj: Any, path: Path) -> None:
+    """Refuse a loaded ``torch.save`` state dict whose walk (what
+    flattening it visits: mappings and lists, every visit of a shared one
+    counted) exceeds ``WALK_PER_BYTE`` entries per byte of its pickle
+    (``WALK_MIN`` at least).  A pickle builds each object once, so a
+    state dict without shared containers has fewer entries than its pickle
+    has bytes; one that nests shared containers (a dict of two references
+    to a dict of two references ..., 40 levels in 2 KB) would flatten into
+    2**40 keys (flattening hung)."""
+    budget = WALK_MIN + WALK_PER_BYTE * _pickle_bytes(path)
+    stack, n = [obj], 0
+    while stack:
+        o = stack.pop()
+        n += 1
+        if n > budget:
+            raise CliError(f"{path}: its state dict reaches more than {budget} entries (its "
+                           f"pickle is {_pickle_bytes(path)} bytes): containers shared many "
+                           f"times over, which no DCP key list can be made of (a crafted "
+                           f"file): refused")
+        if isinstance(o, Mapping):
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+
+
+def _pickle_bytes(path: Path) -> int:
+    """The size of a ``torch.save`` file's ``data.pkl`` (the file's for a
+    legacy, non-zip one)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return max((i.file_size for i in z.infolist() if i.filename.endswith("data.pkl")),
+                       default=0)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return os.path.getsize(path)
 
 
 class _Stand:
