@@ -73,10 +73,32 @@ int dcpx_zip_find_cd(const unsigned char *tail, size_t tail_len,
     return DCPX_PARSE_OK;
 }
 
-static int ends_with(const char *s, size_t n, const char *suf)
+/* The archive's folder: torch's reader (PyTorchStreamReader) takes it from
+ * the name of the central directory's first record, up to its first '/'
+ * ("archive/"), looks every record up under it and refuses an archive with
+ * a record in another folder (a foreign "zzz/byteorder", first or not).
+ * Its length with the '/', or 0 when the first record is in no folder
+ * (torch refuses that archive too). */
+static size_t archive_folder(const unsigned char *cd, size_t cd_len,
+                             const char **folder)
 {
-    size_t m = strlen(suf);
-    return n >= m && memcmp(s + n - m, suf, m) == 0;
+    if (cd_len < 46 || rd32(cd) != 0x02014b50)
+        return 0;
+    size_t nlen = rd16(cd + 28);
+    if (46 + nlen > cd_len)
+        return 0;
+    *folder = (const char *)cd + 46;
+    const char *slash = memchr(*folder, '/', nlen);
+    return slash ? (size_t)(slash - *folder) + 1 : 0;
+}
+
+/* Whether `name` (`nlen` bytes) is `rest` inside the folder `folder`. */
+static int in_folder(const char *name, size_t nlen, const char *folder,
+                     size_t flen, const char *rest)
+{
+    size_t m = strlen(rest);
+    return nlen == flen + m && memcmp(name, folder, flen) == 0 &&
+           memcmp(name + flen, rest, m) == 0;
 }
 
 int dcpx_zip_scan_cd(const unsigned char *cd, size_t cd_len,
@@ -84,9 +106,14 @@ int dcpx_zip_scan_cd(const unsigned char *cd, size_t cd_len,
                      uint64_t *pkl_len, uint32_t *pkl_crc, uint64_t *data_lho,
                      uint64_t *data_len, uint32_t *data_crc, const char **why)
 {
-    size_t pos = 0, prefix_len = 0;
-    const char *prefix = NULL;
+    size_t pos = 0;
+    const char *folder = NULL;
+    size_t flen = archive_folder(cd, cd_len, &folder);
     int have_pkl = 0, have_data = 0, n_storages = 0;
+
+    if (flen == 0)
+        FAIL(DCPX_PARSE_CORRUPT, "the archive's first record is not in a folder "
+                                 "(torch.load refuses it)");
 
     while (pos + 46 <= cd_len && rd32(cd + pos) == 0x02014b50) {
         const unsigned char *e = cd + pos;
@@ -117,59 +144,59 @@ int dcpx_zip_scan_cd(const unsigned char *cd, size_t cd_len,
             FAIL(DCPX_PARSE_UNSUPPORTED, "compressed zip record");
         if (lho >= archive_len || usize > archive_len)
             FAIL(DCPX_PARSE_CORRUPT, "zip record outside the archive");
-        if (ends_with(name, nlen, "/data.pkl") &&
-            memchr(name, '/', nlen - 9) == NULL) {
+        if (nlen < flen || memcmp(name, folder, flen) != 0)
+            FAIL(DCPX_PARSE_CORRUPT, "a record is outside the folder of the archive's "
+                                     "first record (torch.load refuses it)");
+        if (in_folder(name, nlen, folder, flen, "data.pkl")) {
             if (have_pkl)
                 FAIL(DCPX_PARSE_UNSUPPORTED, "two data.pkl records");
             have_pkl = 1;
-            prefix = name;
-            prefix_len = nlen - 8;
             *pkl_lho = lho;
             *pkl_len = usize;
             *pkl_crc = crc;
         }
-        else if (nlen > 6 && memchr(name, '/', nlen) != NULL) {
-            const char *slash = memchr(name, '/', nlen);
-            size_t rest = nlen - (size_t)(slash + 1 - name);
-            if (rest > 5 && memcmp(slash + 1, "data/", 5) == 0) {
-                n_storages++;
-                if (rest == 6 && slash[6] == '0') {
-                    have_data = 1;
-                    *data_lho = lho;
-                    *data_len = usize;
-                    *data_crc = crc;
-                }
+        else if (nlen > flen + 5 && memcmp(name + flen, "data/", 5) == 0) {
+            n_storages++;
+            if (in_folder(name, nlen, folder, flen, "data/0")) {
+                have_data = 1;
+                *data_lho = lho;
+                *data_len = usize;
+                *data_crc = crc;
             }
         }
         pos += 46 + nlen + xlen + clen;
     }
     if (!have_pkl)
-        FAIL(DCPX_PARSE_CORRUPT, "archive has no data.pkl record");
+        FAIL(DCPX_PARSE_CORRUPT, "archive has no data.pkl record in the folder of its "
+                                 "first record (torch.load refuses it)");
     if (!have_data || n_storages != 1)
         FAIL(DCPX_PARSE_UNSUPPORTED, "archive does not hold exactly one storage");
-    (void)prefix;
-    (void)prefix_len;
     return DCPX_PARSE_OK;
 }
 
 /* The byteorder record of a torch.save archive (its central directory is
  * `cd`, already walked by dcpx_zip_scan_cd): torch writes "little" or
  * "big" there (serialization.py, _save), and byte-swaps every storage on
- * load when it differs from the host's order.  1 with its local header
+ * load when it differs from the host's order; only the record in the
+ * archive's folder counts (archive_folder).  1 with its local header
  * offset and length, 0 when the archive has none (torch then assumes
  * little), -1 when its offset needs zip64 (left to torch). */
 int dcpx_zip_find_byteorder(const unsigned char *cd, size_t cd_len,
                             uint64_t *lho, uint64_t *len)
 {
     size_t pos = 0;
+    const char *folder = NULL;
+    size_t flen = archive_folder(cd, cd_len, &folder);
+    if (flen == 0)
+        return -1;
     while (pos + 46 <= cd_len && rd32(cd + pos) == 0x02014b50) {
         const unsigned char *e = cd + pos;
         size_t nlen = rd16(e + 28), xlen = rd16(e + 30), clen = rd16(e + 32);
         const char *name = (const char *)e + 46;
         if (pos + 46 + nlen + xlen + clen > cd_len)
             return -1;
-        if (ends_with(name, nlen, "/byteorder") &&
-            memchr(name, '/', nlen - 10) == NULL) {
+        /* only the archive's own: torch reads "<folder>/byteorder" */
+        if (in_folder(name, nlen, folder, flen, "byteorder")) {
             *lho = rd32(e + 42);
             *len = rd32(e + 24);
             return *lho == 0xFFFFFFFFu || *len == 0xFFFFFFFFu ? -1 : 1;

@@ -29,6 +29,7 @@ from .formats.files import (  # noqa: F401
     local_path,
     open_regular,
     read_regular,
+    replaced_by_a_save,
     special_file_error,
     url_protocol,
 )

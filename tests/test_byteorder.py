@@ -325,3 +325,80 @@ def test_big_endian_without_crcs(tmp_path, monkeypatch, capsys):
     got = empty_like(sd)
     dcpx.load(got, checkpoint_id=tmp_path / "ck2")
     assert_equal(got, sd)
+
+
+# -- a byteorder record outside the archive's folder (issue 31, item 11) -------------------
+
+def _rewrite_records(root: Path, edit) -> None:
+    """Rebuild each tensor record of the DCP checkpoint ``root`` as the zip
+    of ``edit(records)`` (records: [(name, bytes)] in the archive's order),
+    with the metadata's offsets and lengths made to match."""
+    import pickle
+    md = dcpx.FileSystemReader(root).read_metadata()
+    for index, info in md.storage_data.items():
+        f = root / info.relative_path
+        raw = f.read_bytes()[info.offset:info.offset + info.length]
+        with zipfile.ZipFile(io.BytesIO(raw)) as z:
+            records = [(i.filename, z.read(i)) for i in z.infolist()]
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+            for name, data in edit(records):
+                z.writestr(name, data)
+        new = buf.getvalue()
+        name = f"__0_{index.fqn}.distcp"
+        (root / name).write_bytes(new)
+        info.relative_path, info.offset, info.length = name, 0, len(new)
+    for p in root.glob("*.distcp"):
+        if p.name not in {i.relative_path for i in md.storage_data.values()}:
+            p.unlink()
+    (root / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def _sd() -> dict:
+    sd = {"f": _values(torch.float32)}
+    if torch_save_supports(torch.uint16):
+        sd["h"] = _values(torch.uint16)
+    return sd
+
+
+@pytest.mark.parametrize("where", ["first", "after-data.pkl", "last"])
+def test_foreign_byteorder_record_is_refused_as_torch_refuses(tmp_path, capsys, where):
+    """A record 'zzz/byteorder' ("big") in a tensor's archive: torch's reader
+    takes the archive's folder from the first record ('archive/', or 'zzz/'
+    when the foreign record is first) and refuses an archive with a record
+    in another folder; dcpx loaded it, byte-swapped when it came first."""
+    sd = _sd()
+    tdcp.save(sd, checkpoint_id=str(tmp_path / "ck"))
+    at = {"first": 0, "after-data.pkl": 1, "last": None}[where]
+    foreign = [("zzz/byteorder", b"big")]
+    _rewrite_records(tmp_path / "ck", lambda recs: recs + foreign if at is None
+                     else recs[:at] + foreign + recs[at:])
+    md = dcpx.FileSystemReader(tmp_path / "ck").read_metadata()
+    for info in md.storage_data.values():
+        raw = (tmp_path / "ck" / info.relative_path).read_bytes()
+        with pytest.raises(RuntimeError, match="zzz/|hasRecord"):
+            torch.load(io.BytesIO(raw), weights_only=True)
+    with pytest.raises(CorruptCheckpointError, match="first record"):
+        dcpx.load(empty_like(sd), checkpoint_id=tmp_path / "ck")
+    assert verify_checkpoint(str(tmp_path / "ck")) == len(sd)      # problems: every record
+    assert capsys.readouterr().out.count("first record") == len(sd)
+
+
+def test_byteorder_is_read_from_the_archives_own_folder():
+    """archive_byteorder (the torch.load fallback's swap, the CLI's
+    torch.save input, values) reads '<first record's folder>/byteorder'."""
+    from dcpx.formats.byteorder import archive_byteorder
+
+    def archive(*names):
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+            for name, data in names:
+                z.writestr(name, data)
+        return buf.getvalue()
+
+    assert archive_byteorder(archive(("a/data.pkl", b""), ("b/byteorder", b"big"),
+                                     ("a/byteorder", b"little"))) == "little"
+    assert archive_byteorder(archive(("a/data.pkl", b""), ("b/byteorder", b"big"))) == "little"
+    assert archive_byteorder(archive(("b/byteorder", b"big"), ("a/data.pkl", b""))) == "big"
+    with pytest.raises(ValueError, match="not in a folder"):
+        archive_byteorder(archive(("byteorder", b"big"), ("a/data.pkl", b"")))

@@ -321,7 +321,8 @@ def test_dcp_to_safetensors_sharded(ckpt, tmp_path):
     _assert_same(got, flat, tensors_only=True)
     # overwritten with fewer shards: the old ones go
     assert _cli("convert", path, out, "--max-shard-size", "1MB", "--overwrite") == 0
-    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00001.safetensors",
+    assert sorted(p.name for p in out.iterdir()) == [".dcpx-convert.json",
+                                                      "model-00001-of-00001.safetensors",
                                                       "model.safetensors.index.json"]
 
 

@@ -6,7 +6,8 @@
   problem, exit 1;
 * ``--help`` / ``--version`` answer without importing torch;
 * ``convert --overwrite`` into a folder holding an earlier export in another
-  layout removes that export's files (not the user's others);
+  layout removes that export's files (not the user's others: issue 31 item 1,
+  tests/test_cli_overwrite.py);
 * ``diff`` of a DCP checkpoint against the ``torch.save`` file of the same
   state finds no difference (lists flattened as DCP flattens them);
 * converting to ``.pt`` prints no torch warning.
@@ -260,6 +261,10 @@ def test_torch_save_keys_that_collide_are_refused(tmp_path, capsys):
 # -- convert --overwrite -----------------------------------------------------------------
 
 def test_overwrite_removes_an_earlier_export_in_another_layout(tmp_path, capsys):
+    """--overwrite into a folder that an earlier convert wrote in another
+    layout removes that export's files (its .dcpx-convert.json names them),
+    not the user's others; a model.safetensors that convert did not write
+    into the folder (a single-file output is not recorded) is refused."""
     pytest.importorskip("safetensors")
     from safetensors.torch import load_file
     sd = {"model": {"a": torch.arange(64.0), "b": torch.ones(64)}}
@@ -270,22 +275,27 @@ def test_overwrite_removes_an_earlier_export_in_another_layout(tmp_path, capsys)
     assert _cli(capsys, "convert", tmp_path / "c", out / "model.safetensors")[0] == 0
     rc, _, err = _cli(capsys, "convert", tmp_path / "c", out, "--max-shard-size", "300",
                       "--overwrite")
+    assert rc == 1 and "model.safetensors (transformers loads it before the index)" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    (out / "model.safetensors").unlink()          # the user's call
+    rc, _, err = _cli(capsys, "convert", tmp_path / "c", out, "--max-shard-size", "300",
+                      "--overwrite")
     assert rc == 0, err
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["config.json", "model-00001-of-00002.safetensors",
+    assert names == [".dcpx-convert.json", "config.json", "model-00001-of-00002.safetensors",
                      "model-00002-of-00002.safetensors", "model.safetensors.index.json"], names
-    assert "model.safetensors" in err               # said what it removed
     # the shards -> a DCP checkpoint in the same folder: the shards go
     rc, _, err = _cli(capsys, "convert", tmp_path / "c", out, "--to", "dcp", "--overwrite")
     assert rc == 0, err
+    assert "model-00001-of-00002.safetensors" in err               # said what it removed
     names = sorted(p.name for p in out.iterdir() if not p.name.endswith(".distcp"))
-    assert names == [".metadata", "config.json"], names
+    assert names == [".dcpx-convert.json", ".metadata", "config.json"], names
     # and back: the DCP files go
     rc, _, err = _cli(capsys, "convert", tmp_path / "c", out, "--max-shard-size", "1GB",
                       "--overwrite")
     assert rc == 0, err
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["config.json", "model-00001-of-00001.safetensors",
+    assert names == [".dcpx-convert.json", "config.json", "model-00001-of-00001.safetensors",
                      "model.safetensors.index.json"], names
     got = load_file(out / "model-00001-of-00001.safetensors")
     assert_bit_equal(got["model.a"], sd["model"]["a"])

@@ -409,3 +409,41 @@ def test_header_byte_flips_never_crash_or_load_wrong(tmp_path):
             assert ref.name in str(e), (at, str(e))
         else:
             _bits_equal(sd, out)
+
+
+# ------------------------------------------- hostile headers (issue 31, item 11)
+
+def test_deeply_nested_header_names_the_file(tmp_path):
+    """JSON nested 100,000 deep in the header: json raises RecursionError,
+    which the reader turns into CorruptCheckpointError naming the file."""
+    sd, f = _one_file(tmp_path)
+    raw = f.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    deep = b"[" * 100_000 + b"]" * 100_000
+    text = raw[8:8 + n].rstrip()[:-1] + b',"zz":' + deep + b"}"
+    text += b" " * (-len(text) % 8)
+    f.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    msg = _load_err(tmp_path, sd)
+    assert f.name in msg and "JSON" in msg, msg
+
+
+def test_deeply_nested_sharding_info_names_the_file(tmp_path):
+    sd, f = _one_file(tmp_path)
+    key = "DCP_SHARDING_INFO"
+    _rewrite_header(f, lambda h: h["__metadata__"].update({key: "[" * 100_000 + "]" * 100_000}))
+    msg = _load_err(tmp_path, sd)
+    assert f.name in msg and key in msg, msg
+
+
+@pytest.mark.parametrize("saved", [5, "0", [None], {"a": 1}])
+def test_saved_offsets_not_a_list_names_the_file(tmp_path, saved):
+    sd, f = _one_file(tmp_path)
+    key = "DCP_SHARDING_INFO"
+
+    def edit(h):
+        info = json.loads(h["__metadata__"][key])
+        info["a"]["saved_offsets"] = saved
+        h["__metadata__"][key] = json.dumps(info)
+    _rewrite_header(f, edit)
+    msg = _load_err(tmp_path, sd)
+    assert f.name in msg and "'a'" in msg and "saved_offsets" in msg, msg

@@ -359,3 +359,117 @@ def test_many_chunks_shapes_decode_alike_both_ways():
             raw, n = many_chunks.build(data, max_chunks=3000)
             assert n > 100
             many_chunks.check(raw, n, timed=False)
+
+
+# -- the tier's piece names and folders (issue 31, item 11) -------------------------------
+
+@pytest.mark.parametrize("name", [".metadata\n", "__0_0.distcp\n"])
+def test_piece_index_refuses_a_name_with_a_trailing_newline(name):
+    from dcpx.storage import pieces as _pieces
+    index = [[".metadata", 4, 0], ["__0_0.distcp", 4, 0]]
+    _pieces.decode_index(json.dumps(index).encode(), "peer 1")          # the real names pass
+    bad = [[name if n == name.rstrip("\n") else n, s, c] for n, s, c in index]
+    with pytest.raises(CorruptCheckpointError, match="peer 1"):
+        _pieces.decode_index(json.dumps(bad).encode(), "peer 1")
+    for pattern, ok in ((_pieces.STEP_RE, "step-3"), (_pieces.KEY_RE, "r1-s2"),
+                        (_pieces.PIECE_RE, "rank-0-of-2")):
+        assert pattern.match(ok) and not pattern.match(ok + "\n")
+
+
+def test_piece_received_over_a_symlinked_destination_leaves_no_link(tmp_path):
+    """A piece folder that is a link to a folder elsewhere: the piece
+    received replaces the link (the link goes, not what it points at) and
+    no ``.deleting-`` entry is left behind; one a killed deletion left is
+    removed as a link too."""
+    from dcpx import _C
+    from dcpx.storage import pieces as _pieces
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("not the tier's")
+    key_dir = tmp_path / "root" / "step-1" / "r1-s1"
+    key_dir.mkdir(parents=True)
+    dest = key_dir / "rank-0-of-1"
+    dest.symlink_to(target, target_is_directory=True)
+    data = b"meta"
+    inc = _pieces.Incoming(dest, [[".metadata", len(data), _C.crc32(data)]], "test", sync=False)
+    try:
+        inc.views()[0][:] = data
+        inc.commit()
+    finally:
+        inc.close()
+    assert sorted(os.listdir(key_dir)) == ["rank-0-of-1"], os.listdir(key_dir)
+    assert not dest.is_symlink() and (dest / ".metadata").read_bytes() == data
+    assert (target / "keep.txt").read_text() == "not the tier's"
+    # a .deleting- link left by a killed deletion: removed, its target kept
+    (key_dir / ".deleting-rank-1-of-2-0123abcd").symlink_to(target, target_is_directory=True)
+    _pieces.remove_debris(tmp_path / "root")
+    assert sorted(os.listdir(key_dir)) == ["rank-0-of-1"]
+    assert (target / "keep.txt").read_text() == "not the tier's"
+
+
+# -- a Hugging Face index naming a key its shard lacks (issue 31, item 3) ----------------
+
+def test_convert_refuses_an_index_key_no_shard_holds(tmp_path, capsys):
+    """The index maps 'lost' to a shard that does not hold it: convert
+    fails naming the key and the shard and writes no output (it wrote an
+    output without the key, exit 0)."""
+    st = pytest.importorskip("safetensors.torch")
+    d = _hf_folder(tmp_path, {"w": "model-00001-of-00002.safetensors",
+                              "lost": "model-00002-of-00002.safetensors"})
+    (d / "model-00001-of-00001.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    st.save_file({"other": torch.ones(2)}, str(d / "model-00002-of-00002.safetensors"))
+    for out in (tmp_path / "out", tmp_path / "out.safetensors", tmp_path / "out.pt"):
+        assert _cli("convert", d, out) == 1
+        err = capsys.readouterr().err
+        assert "'lost'" in err and "model-00002-of-00002.safetensors" in err, err
+        assert not out.exists()
+    assert _cli("diff", d, d) == 1
+    assert "'lost'" in capsys.readouterr().err
+
+
+# -- a torch.save input whose state dict nests shared containers (issue 31, item 6) -------
+
+def test_convert_and_diff_refuse_a_state_dict_of_shared_nesting(tmp_path):
+    """A 2 KB torch.save file whose state dict is a dict (or list of
+    tensors and lists) of two references to one ... 40 levels deep: it
+    flattens into 2**40 keys; convert and diff hung in flattening it.  In a
+    subprocess, so that a hang fails the test (the limit is no timing)."""
+    import subprocess
+    import sys
+    names = []
+    for kind in ("dict", "list"):
+        x: object = {"t": torch.ones(1)} if kind == "dict" else [torch.ones(1)]
+        for _ in range(40):
+            x = {"a": x, "b": x} if kind == "dict" else [x, x]
+        torch.save({"w": torch.ones(2), "v": x}, tmp_path / f"{kind}.pt")
+        assert (tmp_path / f"{kind}.pt").stat().st_size < 8192
+        names.append(f"{kind}.pt")
+    script = (
+        "import contextlib, io, json, sys\n"
+        "from dcpx.cli import main\n"
+        "root, out = sys.argv[1], []\n"
+        "for name in sys.argv[2:]:\n"
+        "    f = root + '/' + name\n"
+        "    for argv in (['convert', f, f + '.out'], ['diff', f, f]):\n"
+        "        err = io.StringIO()\n"
+        "        with contextlib.redirect_stderr(err):\n"
+        "            rc = main(argv)\n"
+        "        out.append((argv, rc, err.getvalue()))\n"
+        "json.dump(out, open(root + '/out.json', 'w'))\n")
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path), *names],
+                       env=dict(os.environ, PYTHONPATH=str(repo)), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for argv, rc, err in json.loads((tmp_path / "out.json").read_text()):
+        assert rc == 1 and Path(argv[1]).name in err and "shared" in err, (argv, err)
+        assert not Path(argv[1] + ".out").exists()
+
+
+def test_shared_containers_of_a_sane_size_still_convert(tmp_path):
+    tied = [torch.arange(3.0)]
+    torch.save({"a": tied, "b": tied}, tmp_path / "tied.pt")
+    assert _cli("convert", tmp_path / "tied.pt", tmp_path / "tied") == 0
+    got = {"a": [torch.empty(3)], "b": [torch.empty(3)]}
+    dcpx.load(got, checkpoint_id=tmp_path / "tied")
+    assert torch.equal(got["b"][0], tied[0])

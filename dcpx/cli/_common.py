@@ -264,6 +264,7 @@ class TorchSource(Source):
         # same nested state dict (lists of dicts, e.g. an optimizer's
         # param_groups, down to their leaves; not as one value, which only
         # torch's 2.3 fallback would find).
+        check_walk(obj, self.path)
         try:
             flat = list(flatten(obj))
         except ValueError as e:      # torch's "duplicated flatten key a.b"
@@ -295,6 +296,48 @@ class TorchSource(Source):
         import torch
         if self.mapped and not self.swapped and isinstance(value, torch.Tensor):
             release_pages(value, self.path)
+
+
+#: entries a state dict may hold per byte of its pickle (plus WALK_MIN),
+#: counting each visit of a container reached several times
+WALK_PER_BYTE = 16
+WALK_MIN = 1_000_000
+
+
+def check_walk(obj: Any, path: Path) -> None:
+    """Refuse a loaded ``torch.save`` state dict whose walk (what
+    flattening it visits: mappings and lists, every visit of a shared one
+    counted) exceeds ``WALK_PER_BYTE`` entries per byte of its pickle
+    (``WALK_MIN`` at least).  A pickle builds each object once, so a
+    state dict without shared containers has fewer entries than its pickle
+    has bytes; one that nests shared containers (a dict of two references
+    to a dict of two references ..., 40 levels in 2 KB) would flatten into
+    2**40 keys (flattening hung)."""
+    budget = WALK_MIN + WALK_PER_BYTE * _pickle_bytes(path)
+    stack, n = [obj], 0
+    while stack:
+        o = stack.pop()
+        n += 1
+        if n > budget:
+            raise CliError(f"{path}: its state dict reaches more than {budget} entries (its "
+                           f"pickle is {_pickle_bytes(path)} bytes): containers shared many "
+                           f"times over, which no DCP key list can be made of (a crafted "
+                           f"file): refused")
+        if isinstance(o, Mapping):
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+
+
+def _pickle_bytes(path: Path) -> int:
+    """The size of a ``torch.save`` file's ``data.pkl`` (the file's for a
+    legacy, non-zip one)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return max((i.file_size for i in z.infolist() if i.filename.endswith("data.pkl")),
+                       default=0)
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return os.path.getsize(path)
 
 
 class _Stand:
@@ -418,6 +461,7 @@ class SafetensorsSource(Source):
         need_safetensors()
         from safetensors import safe_open
         self.path = Path(path)
+        index: Optional[Path] = None
         if self.path.is_dir():
             index = self.path / SAFETENSORS_INDEX
             if index.exists():
@@ -427,8 +471,10 @@ class SafetensorsSource(Source):
                 if not files:
                     raise NoCheckpoint(f"{self.path}: no {SAFETENSORS_INDEX} and no "
                                        f"*.safetensors file in it")
+                index = None
         elif self.path.name.endswith(".index.json"):
-            files = self._shards(self.path)
+            index = self.path
+            files = self._shards(index)
         else:
             files = [self.path]
         self._handles = {}
@@ -448,6 +494,14 @@ class SafetensorsSource(Source):
                     raise CliError(f"{f}: key {k!r} is also in another shard")
                 self._where[k] = h
                 self._file[k] = f
+        if index is not None:
+            # every key the index names is in a shard: a shard that lacks
+            # one would make an output without it
+            for key, name in self._weight_map.items():
+                if key not in self._where:
+                    raise CliError(f"{index}: names the key {key!r} in the shard {name}, "
+                                   f"which does not hold it (nor does any other shard the "
+                                   f"index names): damaged or mismatched folder")
 
     def _shards(self, index: Path) -> list[Path]:
         regular_file(index, "safetensors index ")
@@ -462,6 +516,7 @@ class SafetensorsSource(Source):
             if not isinstance(name, str):
                 raise CliError(f"{index}: weight_map[{key!r}] is a {type(name).__name__} "
                                f"({str(name)[:80]}), not the name of a shard file")
+        self._weight_map = weight_map
         files = []
         for name in dict.fromkeys(weight_map.values()):
             files.append(shard_path(index, name))

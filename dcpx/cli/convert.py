@@ -37,6 +37,8 @@ import json
 import os
 import pickle
 import re
+import secrets
+import stat
 import struct
 import sys
 from pathlib import Path
@@ -45,6 +47,7 @@ from typing import Any, Optional
 import torch
 
 from ._common import (
+    METADATA_FN,
     SAFETENSORS_INDEX,
     CliError,
     Entry,
@@ -112,8 +115,37 @@ def _check(key: str, t: Any, e: Entry) -> torch.Tensor:
     return t
 
 
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp.{os.getpid()}")
+def _create_tmp(path: Path) -> tuple[Path, int]:
+    """(name, descriptor) of a new file beside ``path``, for writing what
+    is then renamed to ``path``: ``.NAME.tmp.PID.RANDOM``, created with
+    ``O_EXCL | O_NOFOLLOW``, so that nothing planted at the name (a link
+    to a file outside the output's folder, a FIFO, a file) is ever opened:
+    the next random name is tried instead."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}.{secrets.token_hex(4)}")
+        try:
+            return tmp, os.open(tmp, flags, 0o644)
+        except FileExistsError:
+            continue
+    raise CliError(f"{path.parent}: cannot create a temporary file there (16 names tried "
+                   f"were taken)")
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """``data`` into ``path``, whole or not at all (a new temporary file,
+    synced, renamed over ``path``: a link at ``path`` is replaced, not
+    followed)."""
+    tmp, fd = _create_tmp(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
 
 
 # -- safetensors ----------------------------------------------------------
@@ -163,9 +195,9 @@ def _write_safetensors_file(src: Source, path: Path, tensors: list, meta: dict, 
         off += e.nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)   # the data starts 8-byte aligned, as the library writes it
-    tmp = _tmp(path)
+    tmp, fd = _create_tmp(path)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(h)))
             f.write(h)
             for e in tensors:
@@ -190,7 +222,8 @@ def _unlink(p: Path) -> None:
         pass
 
 
-def to_safetensors(src: Source, dst: Path, max_shard: Optional[int], bar_on: bool) -> str:
+def to_safetensors(src: Source, dst: Path, max_shard: Optional[int], bar_on: bool,
+                   output: Optional["_DirOutput"] = None) -> str:
     entries = src.entries()
     tensors, meta = _split_values(src, entries)
     total = sum(e.nbytes for e in tensors)
@@ -198,6 +231,7 @@ def to_safetensors(src: Source, dst: Path, max_shard: Optional[int], bar_on: boo
         if max_shard is None:
             _write_safetensors_file(src, dst, tensors, meta, bar)
             return f"{len(tensors)} tensors ({human(total)}) -> {dst}"
+        assert output is not None
         shards: list[list[Entry]] = [[]]
         size = 0
         for e in tensors:
@@ -206,20 +240,16 @@ def to_safetensors(src: Source, dst: Path, max_shard: Optional[int], bar_on: boo
                 size = 0
             shards[-1].append(e)
             size += e.nbytes
-        dst.mkdir(parents=True, exist_ok=True)
         n = len(shards)
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        output.claim(names + [SAFETENSORS_INDEX])     # before anything is written
         weight_map = {}
-        for i, group in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        for name, group in zip(names, shards):
             _write_safetensors_file(src, dst / name, group, meta, bar)
             weight_map.update({e.key: name for e in group})
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        tmp = _tmp(dst / SAFETENSORS_INDEX)
-        tmp.write_text(json.dumps(index, indent=2) + "\n")
-        os.replace(tmp, dst / SAFETENSORS_INDEX)
-        for old in dst.glob("model-*-of-*.safetensors"):   # shards of an overwritten export
-            if old.name not in set(weight_map.values()):
-                _unlink(old)
+        _write_file(dst / SAFETENSORS_INDEX, (json.dumps(index, indent=2) + "\n").encode())
+        output.done(names + [SAFETENSORS_INDEX])
         return f"{len(tensors)} tensors ({human(total)}) in {n} shard(s) -> {dst}"
 
 
@@ -389,9 +419,9 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
     data = buf.getvalue()
     total = sum(r.nbytes if r.mem is not None else entries[r.key].nbytes for r in order)
     align = torch_save_alignment()
-    tmp = _tmp(dst)
+    tmp, fd = _create_tmp(dst)
     try:
-        with open(tmp, "wb") as f, progress(total, "convert", enabled=bar_on) as bar:
+        with os.fdopen(fd, "wb") as f, progress(total, "convert", enabled=bar_on) as bar:
             w = torch_file_writer(f, align)
             ended = False
             try:
@@ -441,9 +471,10 @@ def to_torch(src: Source, dst: Path, bar_on: bool) -> str:
 
 # -- DCP --------------------------------------------------------------------
 
-def to_dcp(src: Source, dst: Path, bar_on: bool) -> str:
+def to_dcp(src: Source, dst: Path, bar_on: bool, output: "_DirOutput") -> str:
     from ..filesystem import FileSystemWriter, LazyItem
     entries = src.entries()
+    output.claim([])
     total = sum(e.nbytes for e in entries.values() if e.is_tensor)
 
     with progress(total, "convert", enabled=bar_on) as bar:
@@ -465,38 +496,173 @@ def to_dcp(src: Source, dst: Path, bar_on: bool) -> str:
                  for e in entries.values())
         md = FileSystemWriter(dst).write_items(items, planner_data=src.paths(),
                                                file_bytes=DCP_FILE_BYTES, written=release)
-    nfiles = len({info.relative_path for info in md.storage_data.values()})
+    files = sorted({info.relative_path for info in md.storage_data.values()})
+    output.done([METADATA_FN] + files)
+    nfiles = len(files)
     n_t = sum(1 for e in entries.values() if e.is_tensor)
     return (f"{n_t} tensors, {len(entries) - n_t} other values ({human(total)}) in "
             f"{nfiles} data file(s) -> {dst}")
 
 
-def _remove_stale(dst: Path, fmt: str) -> list[str]:
-    """After an ``--overwrite`` into the directory ``dst``: remove the files
-    of an earlier export in another layout, which loaders would otherwise
-    find beside the new output (``transformers`` takes a
-    ``model.safetensors`` before an index; ``detect`` takes a ``.metadata``
-    first).  A sharded safetensors output removes every ``*.safetensors``
-    file its index does not name and a DCP checkpoint's ``.metadata`` and
-    ``*.distcp`` files; a DCP output removes ``*.safetensors`` files and the
-    index.  Other files (a model's config.json, tokenizer) stay."""
-    if fmt == "safetensors":
+# -- what a directory output may replace or remove ------------------------
+
+#: convert's record of the files it wrote into a directory output (DCP,
+#: sharded safetensors): what a later ``--overwrite`` may replace or remove
+MANIFEST = ".dcpx-convert.json"
+#: the names a directory output of convert has: a manifest naming any other
+#: file is not believed for it (a crafted one never makes convert delete a
+#: config.json)
+_OURS = re.compile(r"^(\.metadata|__\d+_(?:[0-9a-f]{16}_)?\d+\.distcp|"
+                   r"model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json)\Z")
+
+
+def _dcp_would_touch(name: str) -> bool:
+    """A file that a DCP save into the folder replaces or removes (its
+    ``.metadata``, data files and temporary metadata of other saves)."""
+    from ..filesystem import replaced_by_a_save
+    return replaced_by_a_save(name)
+
+
+#: files that loaders take before a sharded safetensors folder's index:
+#: ``transformers`` loads ``model.safetensors`` first, dcpx's own input
+#: detection a ``.metadata``
+_SHADOWS_SHARDS = ("model.safetensors", METADATA_FN)
+
+
+class _DirOutput:
+    """A directory output of ``convert`` (a DCP checkpoint, sharded
+    safetensors) and what it may touch there.
+
+    ``claim(names)``, before anything is written, refuses every existing
+    file the new output would replace (its ``names``; for DCP, any file a
+    DCP save replaces or removes) or that loaders would take in its place,
+    unless an earlier convert wrote it: its manifest (``MANIFEST``) names
+    it and it is still that file (a regular file, not a link, of the size
+    and modification time recorded).  ``done(names)``, once the output is
+    complete, removes the files of the earlier convert that the new output
+    did not replace, and records the new output's files.  Nothing else in
+    the folder is touched; the folder is opened without following a link
+    (a symlinked output folder is never entered to remove anything)."""
+
+    def __init__(self, dst: Path, fmt: str):
+        self.dst, self.fmt = dst, fmt
+        # a link to an (empty: convert checked) folder: written into, never
+        # removed from (no earlier files are believed there)
+        self.linked = dst.is_symlink()
+        self.earlier = {} if self.linked else self._read_manifest()
+
+    def _dir_fd(self) -> int:
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
         try:
-            keep = set(json.loads((dst / SAFETENSORS_INDEX).read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return []
-        stale = [p for p in dst.glob("*.safetensors") if p.name not in keep]
-        stale += [p for p in dst.glob("*.distcp")] + [dst / ".metadata"]
-    elif fmt == "dcp":
-        stale = list(dst.glob("*.safetensors")) + [dst / SAFETENSORS_INDEX]
-    else:
-        return []
-    removed = []
-    for p in stale:
-        if p.is_file() and not p.is_symlink():
-            _unlink(p)
-            removed.append(p.name)
-    return sorted(removed)
+            return os.open(self.dst, flags if self.linked else flags | os.O_NOFOLLOW)
+        except OSError as e:
+            raise CliError(f"{self.dst}: cannot open the output folder without following "
+                           f"a link: {e.strerror}") from None
+
+    def _read_manifest(self) -> dict:
+        """name -> (size, mtime_ns) of the files an earlier convert recorded
+        (None, None: it was writing them when it stopped); {} when there
+        is no manifest or it cannot be read."""
+        if not self.dst.is_dir():
+            return {}
+        dfd = self._dir_fd()
+        try:
+            fd = os.open(MANIFEST, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    return {}
+                got = json.loads(f.read(1 << 20))
+        except (OSError, ValueError, RecursionError):
+            return {}
+        finally:
+            os.close(dfd)
+        out = {}
+        files = got.get("files") if isinstance(got, dict) else None
+        for name, rec in (files.items() if isinstance(files, dict) else ()):
+            if (isinstance(name, str) and _OURS.match(name) and isinstance(rec, list)
+                    and len(rec) == 2 and all(x is None or type(x) is int for x in rec)):
+                out[name] = tuple(rec)
+        return out
+
+    def _is_earlier(self, name: str, st: os.stat_result) -> bool:
+        rec = self.earlier.get(name)
+        if rec is None or not stat.S_ISREG(st.st_mode):
+            return False
+        size, mtime = rec
+        return size is None or (st.st_size == size and st.st_mtime_ns == mtime)
+
+    def _entries(self) -> dict:
+        """name -> lstat of each entry of the folder ({} when there is none)."""
+        if not self.dst.exists():
+            return {}
+        dfd = self._dir_fd()
+        try:
+            out = {}
+            for name in os.listdir(dfd):
+                try:
+                    out[name] = os.lstat(name, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+            return out
+        finally:
+            os.close(dfd)
+
+    def claim(self, names: list) -> None:
+        present = self._entries()
+        if self.fmt == "dcp":
+            touched = [n for n in present if _dcp_would_touch(n)]
+        else:
+            touched = [n for n in present if n in names or n in _SHADOWS_SHARDS]
+        foreign = sorted(n for n in touched if not self._is_earlier(n, present[n]))
+        if foreign:
+            why = {"model.safetensors": " (transformers loads it before the index)",
+                   METADATA_FN: " (dcpx would read the folder as a DCP checkpoint)"}
+            shown = [n + (why.get(n, "") if n not in names else "") for n in foreign[:10]]
+            more = f" and {len(foreign) - 10} more" if len(foreign) > 10 else ""
+            what = ("a DCP save there replaces or removes" if self.fmt == "dcp" else
+                    "the output replaces or that would stand in its way")
+            raise CliError(
+                f"{self.dst}: holds {len(foreign)} file(s) {what} that no earlier `dcpx "
+                f"convert` into this folder wrote (its {MANIFEST} does not name them, as "
+                f"they are now): {', '.join(shown)}{more}. --overwrite replaces and removes "
+                f"only what convert wrote: remove them yourself, or convert into another folder")
+        self.dst.mkdir(parents=True, exist_ok=True)
+        # until done(): the earlier files and the ones about to be written
+        pending = dict(self.earlier)
+        pending.update({n: (None, None) for n in names})
+        self._write_manifest(pending)
+
+    def done(self, names: list) -> None:
+        dfd = self._dir_fd()
+        removed = []
+        try:
+            # the earlier output's files this one did not replace (its
+            # .metadata / index first: never one that names removed files)
+            for name in sorted(set(self.earlier) - set(names),
+                               key=lambda n: (n not in (METADATA_FN, SAFETENSORS_INDEX), n)):
+                try:
+                    st = os.lstat(name, dir_fd=dfd)
+                except FileNotFoundError:
+                    continue
+                if self._is_earlier(name, st):
+                    os.unlink(name, dir_fd=dfd)
+                    removed.append(name)
+            record = {}
+            for name in names:
+                st = os.lstat(name, dir_fd=dfd)
+                record[name] = (st.st_size, st.st_mtime_ns)
+        finally:
+            os.close(dfd)
+        self._write_manifest(record)
+        if removed:
+            warn(f"--overwrite: removed {len(removed)} file(s) an earlier convert wrote into "
+                 f"{self.dst}: {', '.join(removed)}")
+
+    def _write_manifest(self, files: dict) -> None:
+        doc = {"written_by": "dcpx convert", "format": self.fmt,
+               "files": {n: list(files[n]) for n in sorted(files)}}
+        _write_file(self.dst / MANIFEST, (json.dumps(doc, indent=1) + "\n").encode())
 
 
 class _Selected(Source):
@@ -545,27 +711,34 @@ def convert(src_path: str, dst_path: str, *, to: Optional[str] = None,
     if max_shard is not None and max_shard <= 0:
         raise CliError("--max-shard-size must be positive")
     dst = Path(dst_path)
+    in_dir = fmt == "dcp" or (fmt == "safetensors" and max_shard is not None)
     if dst.exists() and not overwrite and (not dst.is_dir() or any(dst.iterdir())):
         raise CliError(f"{dst}: exists (pass --overwrite to replace it)")
-    if fmt == "safetensors" and max_shard is None and dst.is_dir():
-        raise CliError(f"{dst}: is a directory; a single safetensors output is a file "
-                       f"(or pass --max-shard-size for shards in a directory)")
+    if not in_dir and dst.is_dir():
+        if fmt == "safetensors":
+            raise CliError(f"{dst}: is a directory; a single safetensors output is a file "
+                           f"(or pass --max-shard-size for shards in a directory)")
+        raise CliError(f"{dst}: is a directory; a torch.save output is a file")
+    if in_dir and dst.exists() and not dst.is_dir():
+        raise CliError(f"{dst}: is a file; a {fmt} output is a directory (convert into "
+                       f"another path, or remove the file yourself)")
+    if in_dir and dst.is_symlink() and any(dst.iterdir()):
+        raise CliError(f"{dst}: is a symbolic link to a folder that is not empty: --overwrite "
+                       f"never removes anything through a link (name the folder itself: "
+                       f"{os.path.realpath(dst)})")
     src = open_source(src_path, src_format)
     if overwrite and dst.exists() and dst.resolve() == Path(src_path).resolve():
         raise CliError(f"{dst}: is the input; convert into another path")
     if only or strip_prefix:
         src = _Selected(src, list(only or []), strip_prefix)
+    output = _DirOutput(dst, fmt) if in_dir else None
     if fmt == "safetensors":
-        what = to_safetensors(src, dst, max_shard, show_progress)
+        what = to_safetensors(src, dst, max_shard, show_progress, output)
     elif fmt == "torch":
         what = to_torch(src, dst, show_progress)
     else:
-        what = to_dcp(src, dst, show_progress)
-    if overwrite and dst.is_dir():
-        removed = _remove_stale(dst, fmt)
-        if removed:
-            warn(f"--overwrite: removed {len(removed)} file(s) of an earlier export from "
-                 f"{dst}: {', '.join(removed)}")
+        assert output is not None
+        what = to_dcp(src, dst, show_progress, output)
     print(f"{src.kind} {src_path}: {what}", file=out)
     return 0
 
@@ -589,7 +762,10 @@ def add_parser(sub, **common) -> None:
                    help="convert only the keys that start with PREFIX (repeatable)")
     p.add_argument("--strip-prefix", metavar="PREFIX",
                    help="remove PREFIX from the start of the keys that have it")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing DST: a file DST itself; in a folder DST only "
+                        "what an earlier convert wrote there (its .dcpx-convert.json names "
+                        "it); any other file the output would replace is an error naming it")
     p.set_defaults(run=run)
 
 

@@ -5,15 +5,18 @@ directories).  Keys added and removed, dtype and shape changes; with
 and non-tensor values, read one key at a time from both sides."""
 from __future__ import annotations
 
-import pickle
 import sys
-from typing import Any
 
 import torch
 
 from ._common import dtype_name, open_source, progress
+from ._show import same as same_value
+from ._show import text
 
 HELP = "compare two checkpoints: keys, dtypes, shapes, optionally values"
+
+#: characters of each side of a differing non-tensor value shown
+VALUE_TEXT_MAX = 200
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> tuple:
@@ -62,21 +65,6 @@ def _int64_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (hi * 4294967296.0 + lo).reshape(a.shape)
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    """``a == b`` when that is a plain bool; else (numpy arrays, ...) equal
-    pickles."""
-    try:
-        r = a == b
-        if isinstance(r, bool):
-            return r
-    except Exception:
-        pass
-    try:
-        return type(a) is type(b) and pickle.dumps(a, protocol=4) == pickle.dumps(b, protocol=4)
-    except Exception:
-        return False
-
-
 def diff(a_path: str, b_path: str, *, values: bool = False, rtol: float = 0.0,
          atol: float = 0.0, out=None, show_progress: bool = False) -> int:
     """Print the differences; return how many keys differ."""
@@ -111,7 +99,12 @@ def diff(a_path: str, b_path: str, *, values: bool = False, rtol: float = 0.0,
                 if isinstance(va, torch.Tensor):
                     same, detail = _same_values(va, vb, rtol, atol)
                 else:
-                    same, detail = _same_value(va, vb), f"{va!r} -> {vb!r}"
+                    # bounded: shared parts compared and shown once
+                    same, how = same_value(va, vb)
+                    detail = f"{text(va, VALUE_TEXT_MAX)} -> {text(vb, VALUE_TEXT_MAX)}"
+                    if how:
+                        detail += f" (too large or deep to compare element by element: " \
+                                  f"compared as {how})"
                 if not same:
                     print(f"~ {k}: {detail}", file=out)
                     n += 1

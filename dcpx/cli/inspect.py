@@ -11,39 +11,28 @@ unpickle or is refused by the allow-list."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from collections import defaultdict
 from typing import Any
 
 from ._common import dtype_name, human
+from ._show import SHOW_MAX, json_value, text, text_cut
 
 HELP = "list what a checkpoint holds: keys, dtypes, shapes, shards, sizes, values"
 
 #: values whose record is larger are not read (their size is shown)
 VALUE_READ_MAX = 1 << 20
-#: characters of a value's repr in the text listing
+#: characters of a value's text in the listing (--json: _show.SHOW_MAX)
 REPR_MAX = 100
 
 
-def _json_native(v: Any, depth: int = 0) -> bool:
-    """Whether ``v`` is JSON as it is (no tuple, no NaN, str keys only)."""
-    if depth > 50:
-        return False
-    if v is None or type(v) in (bool, int, str):
-        return True
-    if type(v) is float:
-        return math.isfinite(v)
-    if type(v) is list:
-        return all(_json_native(x, depth + 1) for x in v)
-    if type(v) is dict:
-        return all(type(k) is str and _json_native(x, depth + 1) for k, x in v.items())
-    return False
-
-
-def _value_entry(reader, key: str, info, read: bool) -> tuple[dict, str]:
-    """(JSON entry of a non-tensor value, error or "")."""
+def _value_entry(reader, key: str, info, read: bool,
+                 show_max: int = SHOW_MAX) -> tuple[dict, str]:
+    """(JSON entry of a non-tensor value, error or ""): the value itself
+    when it is JSON as it is within ``show_max`` characters, else its text
+    (``_show.text``: at most ``show_max`` characters, ``truncated`` when
+    cut)."""
     out: dict[str, Any] = {"type": "value", "file": info.relative_path if info else None,
                            "length": info.length if info else None}
     if info is None or not read:
@@ -65,17 +54,16 @@ def _value_entry(reader, key: str, info, read: bool) -> tuple[dict, str]:
         return out, msg
     out["value_type"] = type(v).__module__ + "." + type(v).__qualname__ \
         if type(v).__module__ != "builtins" else type(v).__name__
-    if _json_native(v):
+    if json_value(v, show_max):
         out["value"] = v
     else:
-        try:
-            out["repr"] = repr(v)
-        except Exception as e:
-            out["repr"] = f"<repr failed: {type(e).__name__}>"
+        out["repr"], cut = text_cut(v, show_max)
+        if cut:
+            out["truncated"] = True
     return out, ""
 
 
-def describe(path: str, *, values: Any = True) -> dict:
+def describe(path: str, *, values: Any = True, show_max: int = SHOW_MAX) -> dict:
     """The checkpoint's contents as plain data (what ``--json`` prints).
 
     ``values``: read the non-tensor values (True: all; N: those among the
@@ -152,7 +140,7 @@ def describe(path: str, *, values: Any = True) -> dict:
             elif index in bad:
                 errors.append(bad[index])
             read = not errors and (values is True or (values is not False and n < values))
-            entry, error = _value_entry(reader, key, info, read)
+            entry, error = _value_entry(reader, key, info, read, show_max)
             if error:
                 errors.append(error)
         if errors:
@@ -179,7 +167,7 @@ def _value_text(v: dict) -> str:
         return f"value, {v['not_read']}: not read"
     if "value_type" not in v:
         return "value"
-    shown = repr(v["value"]) if "value" in v else v["repr"]
+    shown = text(v["value"], 4 * REPR_MAX) if "value" in v else v["repr"]
     return f"{v['value_type']} {_short(shown)}"
 
 
@@ -192,7 +180,7 @@ def inspect_checkpoint(path: str, limit: int, out=None, as_json: bool = False) -
         json.dump(d, out, indent=1, allow_nan=False)
         print(file=out)
     else:
-        d = describe(path, values=max(limit, 0))
+        d = describe(path, values=max(limit, 0), show_max=4 * REPR_MAX)
         _print_text(d, path, limit, out)
     if d["problems"]:
         print(f"dcpx inspect: {path}: {len(d['problems'])} problem(s) found "

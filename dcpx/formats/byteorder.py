@@ -34,11 +34,21 @@ import torch
 def archive_byteorder(source: Union[bytes, str, os.PathLike]) -> str:
     """'little' or 'big': what the archive's ``byteorder`` record says
     ('little' when it has none, as torch assumes); raises ValueError for
-    any other content, as torch.load does."""
+    any other content, as torch.load does.  The record is the one in the
+    archive's folder, which torch's reader takes from the name of the
+    first record (``archive/data.pkl`` -> ``archive/``): a ``byteorder``
+    in another folder does not exist for torch.load."""
     f = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
     with zipfile.ZipFile(f) as z:
-        infos = [i for i in z.infolist()
-                 if i.filename.endswith("/byteorder") and i.filename.count("/") == 1]
+        infos = z.infolist()
+        if not infos:
+            return "little"
+        first = infos[0].filename
+        if "/" not in first:
+            raise ValueError(f"the archive's first record {first!r} is not in a folder "
+                             f"(torch.load refuses it)")
+        name = first[:first.index("/") + 1] + "byteorder"
+        infos = [i for i in infos if i.filename == name]
         if not infos:
             return "little"
         data = _stored_bytes(z, infos[0])

@@ -22,6 +22,15 @@ _RANK_METADATA = re.compile(r"^__\d+\.metadata$")  # a use_collectives=False sav
 _TAGGED_DATA_FILE = re.compile(r"^__\d+_([0-9a-f]{16})_\d+\.distcp$")
 
 
+def replaced_by_a_save(name: str) -> bool:
+    """Whether a DCP save into a folder replaces or removes the file
+    ``name`` there: its ``.metadata``, data files, temporary metadata and a
+    ``use_collectives=False`` save's per-rank metadata (``dcpx convert``
+    refuses to replace such a file it did not write)."""
+    return (name == METADATA_FN or bool(_DATA_FILE.match(name))
+            or bool(_RANK_METADATA.match(name)) or bool(_TMP_METADATA.match(name)))
+
+
 def _fsync_dir(path: Union[str, Path]) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -271,7 +271,7 @@ def read_blob(path: Path, offset: int, limit: Optional[int] = None) -> Blob:
         os.close(fd)
     try:
         hdr = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:   # too deep: RecursionError
         raise CorruptCheckpointError(f"{path}: safetensors header at offset {offset} is not "
                                      f"valid JSON: {e}") from None
     if not isinstance(hdr, dict):
@@ -344,7 +344,12 @@ def resolve_entry(blob: Blob, index: MetadataIndex, info: _StorageInfo,
     if sharding is not None:
         saved = sharding.get(key, {}).get("saved_offsets") if isinstance(
             sharding.get(key), dict) else None
-        if saved is not None and list(saved) != list(index.offset):
+        if saved is not None and not (isinstance(saved, list)
+                                      and all(type(x) is int for x in saved)):
+            raise CorruptCheckpointError(
+                f"{where}: {SHARDING_KEY} in the safetensors header at offset {blob.offset} "
+                f"gives saved_offsets {str(saved)[:80]}, not a list of integers")
+        if saved is not None and saved != list(index.offset):
             raise CorruptCheckpointError(
                 f"{where}: safetensors header says the chunk starts at {list(saved)}, the "
                 f"metadata {list(index.offset)}")
@@ -357,7 +362,7 @@ def sharding_info(blob: Blob) -> Optional[dict]:
         return None
     try:
         got = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):   # nested too deep: RecursionError
         got = None
     if not isinstance(got, dict):
         raise CorruptCheckpointError(f"{blob.path}: safetensors header at offset "
