@@ -761,3 +761,74 @@ def test_the_batch_abi_follows_the_driver(standin_path, version, api, calls):
     assert lines[0] == f"api {api}"
     assert lines[1] == calls
     assert lines[2] == ("stats cuMemcpyBatchAsync_v2 1" if api != "None" else "stats None 0")
+
+
+# --------------------------------------------------------------------------
+# the upload's priority knob (DCPX_WRITER_NICE; bench_gpu.py's "nice 10")
+
+def _thread_nices() -> dict:
+    """{tid: nice} of this process's threads (/proc/self/task/*/stat)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = int(fields[16])  # field 19 of stat: nice
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_writer_threads_lower_their_priority_when_asked(lib, tmp_path, monkeypatch):
+    """With DCPX_WRITER_NICE=7 a WriteJob's writer thread runs at nice 7 (seen
+    while it waits at a staging gate whose copies the stand-in holds);
+    without it, at the process's own."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    t = FakeCudaTensor(lib.devices[0], 4096)
+    t.write(random.Random(2).randbytes(4096))
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    from dcpx._dtypes import dlpack_export, dlpack_view
+    for nice in (None, 7):
+        if nice is None:
+            monkeypatch.delenv("DCPX_WRITER_NICE", raising=False)
+        else:
+            monkeypatch.setenv("DCPX_WRITER_NICE", str(nice))
+        lib.fake_hold_copies(1)
+        gate, pending = _C.cuda_copy_into([(t, 0, "k")], buf, wait=False)
+        item = (dlpack_export(dlpack_view(buf)), "ByteStorage", gate)
+        job = _C.WriteJob([(str(tmp_path / f"w{nice}.bin"), [item])], sync_files=False,
+                          threads=1)
+        before = set(_thread_nices())
+        job.start()
+        try:
+            _wait_for(lambda: _C.gate_stats(gate)[2] == 1, "the writer waiting at the gate")
+            new = {tid: n for tid, n in _thread_nices().items() if tid not in before}
+            assert list(new.values()) == [mine if nice is None else max(mine, nice)], new
+        finally:
+            lib.fake_hold_copies(0)
+            _C.cuda_stage_wait(pending)
+            job.wait()
+        assert t.read() in (tmp_path / f"w{nice}.bin").read_bytes()
+    t.free()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_upload_thread_lowers_its_priority_when_asked(monkeypatch):
+    from dcpx import _async
+    got = {}
+
+    def run(env):
+        if env is None:
+            monkeypatch.delenv("DCPX_WRITER_NICE", raising=False)
+        else:
+            monkeypatch.setenv("DCPX_WRITER_NICE", env)
+        _async._lower_priority()
+        got[env] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    for env in (None, "bad", "5"):
+        th = threading.Thread(target=run, args=(env,))
+        th.start()
+        th.join()
+    assert got == {None: mine, "bad": mine, "5": max(mine, 5)}
