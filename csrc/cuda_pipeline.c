@@ -171,8 +171,9 @@ static void cuda_fail(pjob *j, CUresult rc, const char *call, Py_ssize_t item,
 /* ---------------------------------------------------------------- slots */
 
 /* A slot to fill: a free one, else the one whose copies were queued first,
- * once its event says they are done.  NULL once the load is cancelled. */
-static slot *slot_acquire(pjob *j)
+ * once its event says they are done (waited for in the event's device's
+ * context, made w's current).  NULL once the load is cancelled. */
+static slot *slot_acquire(pjob *j, wstate *w)
 {
     pthread_mutex_lock(&j->mu);
     for (;;) {
@@ -201,10 +202,17 @@ static slot *slot_acquire(pjob *j)
         pthread_mutex_unlock(&j->mu);
         CUresult rc = CUDA_SUCCESS;
         int d;
-        for (d = 0; d < j->ndevs && rc == CUDA_SUCCESS; d++)
-            if (best->devs >> d & 1)
+        for (d = 0; d < j->ndevs && rc == CUDA_SUCCESS; d++) {
+            if (!(best->devs >> d & 1))
+                continue;
+            if (w->cur != d) {
+                rc = dcpx_cu.cuCtxSetCurrent(j->devs[d]->ctx);
+                w->cur = rc == CUDA_SUCCESS ? d : -1;
+            }
+            if (rc == CUDA_SUCCESS)
                 rc = dcpx_cu.cuEventSynchronize(
                     j->ev[(best - j->slots) * j->ndevs + d]);
+        }
         stat_add(j, ST_REUSES, 1);
         if (rc != CUDA_SUCCESS) {
             cuda_fail(j, rc, "cuEventSynchronize (host-to-device copies)", -1,
@@ -477,7 +485,7 @@ static void run_unit(pjob *j, wstate *w, const unit *u)
                             "out of memory");
         return;
     }
-    if ((s = slot_acquire(j)) == NULL)
+    if ((s = slot_acquire(j, w)) == NULL)
         return;
     stat_add(j, ST_UNITS, 1);
     q = u->kind == U_RUN ? fill_run(j, w, u, s) : fill_piece(j, w, u, s);

@@ -210,7 +210,8 @@ class FileSystemReader(StorageReader):
     """Drop-in for ``torch.distributed.checkpoint.FileSystemReader``.
 
     Extra keyword arguments (dcpx's own):
-      ``thread_count``: C reader threads (default: up to 4 of the CPUs).
+      ``thread_count``: C reader threads (default: up to 4 of the CPUs; for
+        loads into CUDA tensors, the load pipeline's, up to 8).
       ``verify``: check each tensor record's CRC-32 (default True).
       ``allow_pickle``: load non-tensor values with full pickle instead of
         torch's ``weights_only`` allow-list (default False: a checkpoint can
@@ -607,7 +608,7 @@ class FileSystemReader(StorageReader):
         files: dict[str, int] = {}
         items = []
         batched = _C.cuda_batch_copies() is not None  # no allocation keys needed
-        total = 0
+        total, stypes = 0, {}
         for r in reads:
             t = r.target
             lo, n = 0, r.chunk.numel() * r.dtype.itemsize
@@ -621,8 +622,10 @@ class FileSystemReader(StorageReader):
             if not batched and type(t) is torch.Tensor:
                 alloc = t.untyped_storage().data_ptr()
             fidx = files.setdefault(r.info.relative_path, len(files))
-            items.append((fidx, r.info.offset, r.info.length,
-                          "" if is_raw(r.info) else storage_type_name(r.dtype),
+            stype = stypes.get(r.dtype)
+            if stype is None:
+                stype = stypes[r.dtype] = storage_type_name(r.dtype)
+            items.append((fidx, r.info.offset, r.info.length, "" if is_raw(r.info) else stype,
                           tuple(r.chunk), r.dtype.itemsize, dst, lo, r.key, alloc))
         consumers = [(dev.index, torch.cuda.current_stream(dev).cuda_stream)
                      for dev in {r.target.device for r in reads}]
