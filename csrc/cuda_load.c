@@ -252,7 +252,8 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
         if (j->b.ev[d] != NULL)
             continue;
         for (Py_ssize_t k = 0; k < ncs; k++)
-            if (cs[k].dev == d && dcpx_cuda_after_consumer(module, d, cs[k].stream) < 0)
+            if (cs[k].dev == d &&
+                dcpx_cuda_after_consumer(module, d, cs[k].stream) < 0)
                 goto done;
         j->b.devs[d] = dcpx_cuda_device_get(module, d);
         rc = dcpx_cuda_event_create(module, d, &j->b.ev[d], &call);

@@ -27,10 +27,11 @@
  *     and parsed (where their tensor bytes lie, the recorded CRC) by the
  *     worker threads;
  *  2. the work is cut into units in file order: a *run* (small archives of
- *     one file lying next to each other, at most a slot in all: one pread) or a *piece* (a slot's worth of a long archive's
- *     tensor bytes).  Each worker thread takes the next unit, takes a free
- *     slot (else the one whose copies were queued first, once its event
- *     says they are done), reads into it, computes the CRC on the bytes
+ *     one file lying next to each other, at most a slot in all: one pread)
+ *     or a *piece* (a slot's worth of a long archive's tensor bytes).  Each
+ *     worker thread takes the next unit, takes a free slot (else the one
+ *     whose copies were queued first, once its event says they are done),
+ *     reads into it, computes the CRC on the bytes
  *     just read (a piece's CRC is combined with the others' afterwards:
  *     one pass over the bytes), swaps the byte order if the archive asks,
  *     and queues the slot's copies on dcpx's stream of each device they go
@@ -390,7 +391,8 @@ static int fill_run(pjob *j, wstate *w, const unit *u, slot *s)
                 continue;
             }
         }
-        else if (dcpx_archive_locate(fd, j->verify, &it->r, NULL, mem, &loc) < 0)
+        else if (dcpx_archive_locate(fd, j->verify, &it->r, NULL, mem,
+                                     &loc) < 0)
             continue;
         if (j->verify && loc.len &&
             dcpx_archive_check_crc(&it->r, loc.crc,
@@ -758,8 +760,8 @@ static int plan(pjob *j)
         if (j->items[i].large)
             j->large[j->nlarge++] = i;
     if (j->nlarge > 0)
-        dcpx_run_workers(locate_worker, j,
-                         j->nthreads < j->nlarge ? j->nthreads : (int)j->nlarge);
+        dcpx_run_workers(locate_worker, j, j->nthreads < j->nlarge
+                                               ? j->nthreads : (int)j->nlarge);
     for (Py_ssize_t x = 0; x < j->nlarge; x++) {
         pitem *it = &j->items[j->large[x]];
         if (it->r.code != DCPX_RD_OK)
@@ -873,6 +875,7 @@ static void run(pjob *j, int *nomem)
 
 typedef struct {
     PyObject *items;         /* the caller's items (their keys) */
+    dcpx_cuda_stream *cons;  /* the consumer streams (owned) */
     dcpx_view *views;        /* destinations, held until the end */
     Py_ssize_t nviews;
     dcpx_view ring;
@@ -907,6 +910,7 @@ static void call_free(call_state *c)
     PyMem_RawFree(j->fds);
     PyMem_RawFree(j->fwhy);
     PyMem_RawFree(c->views);
+    PyMem_RawFree(c->cons);
     PyMem_RawFree(j->items);
     PyMem_RawFree(j->order);
     PyMem_RawFree(j->slots);
@@ -1012,7 +1016,8 @@ static int parse_item(PyObject *module, call_state *c, Py_ssize_t i)
             return -1;
     }
     it->alloc = alloc;
-    if ((fast = PySequence_Fast(shape, "dcpx: shape must be a sequence")) == NULL)
+    fast = PySequence_Fast(shape, "dcpx: shape must be a sequence");
+    if (fast == NULL)
         return -1;
     it->r.dest.ndim = (int)PySequence_Fast_GET_SIZE(fast);
     for (int d = 0; d < it->r.dest.ndim && d < 16; d++) {
@@ -1136,24 +1141,155 @@ static PyObject *stats_dict(pjob *j)
         "pinned", j->pinned ? Py_True : Py_False);
 }
 
+/* The ring cut into slots, the threads and whether copies may be batched
+ * (the ring page-locked, the driver's batched call there). */
+static int set_up_ring(call_state *c, PyObject *ring, size_t slot_bytes,
+                       int threads)
+{
+    pjob *j = &c->j;
+    if (dcpx_view_from_object(ring, &c->ring, 1) < 0)
+        return -1;
+    c->have_ring = 1;
+    if (c->ring.device_type != DCPX_DL_CPU || !c->ring.contiguous ||
+        c->ring.nbytes / slot_bytes < 2) {
+        PyErr_SetString(PyExc_ValueError, "dcpx: the ring must be a contiguous "
+                        "host buffer of at least two slots");
+        return -1;
+    }
+    j->slot_bytes = slot_bytes;
+    j->nslots = (int)(c->ring.nbytes / slot_bytes < 4096
+                          ? c->ring.nbytes / slot_bytes : 4096);
+    j->nthreads = threads < j->nslots - 1 ? threads : j->nslots - 1;
+    j->pinned = dcpx_cuda_registry_contains(c->ring.data,
+                                            (size_t)c->ring.nbytes);
+    j->batch = j->pinned && dcpx_cuda_batch_api() != NULL;
+    j->slots = PyMem_RawCalloc((size_t)j->nslots, sizeof(slot));
+    if (j->slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int s = 0; s < j->nslots; s++)
+        j->slots[s].p = (unsigned char *)c->ring.data + (size_t)s * slot_bytes;
+    return 0;
+}
+
+static int parse_items(PyObject *module, call_state *c, PyObject *items)
+{
+    pjob *j = &c->j;
+    c->items = PySequence_Fast(items, "dcpx: items must be a sequence");
+    if (c->items == NULL)
+        return -1;
+    j->n = PySequence_Fast_GET_SIZE(c->items);
+    j->items = PyMem_RawCalloc((size_t)j->n + 1, sizeof(pitem));
+    j->order = PyMem_RawCalloc((size_t)j->n + 1, sizeof(Py_ssize_t));
+    c->views = PyMem_RawCalloc((size_t)j->n + 1, sizeof(dcpx_view));
+    if (!j->items || !j->order || !c->views) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < j->n; i++)
+        if (parse_item(module, c, i) < 0)
+            return -1;
+    return 0;
+}
+
+/* The consumer streams (c->cons, owned), dcpx's stream of each device in
+ * use made to wait for their pending work, and the devices' events. */
+static int set_up_devices(PyObject *module, call_state *c, PyObject *cons_obj)
+{
+    pjob *j = &c->j;
+    PyObject *cons = NULL;
+    Py_ssize_t ncs = 0;
+    int rc = -1;
+    if (cons_obj != NULL && cons_obj != Py_None) {
+        cons = PySequence_Fast(cons_obj,
+                               "dcpx: consumer_streams must be a sequence");
+        if (cons == NULL)
+            return -1;
+        ncs = PySequence_Fast_GET_SIZE(cons);
+    }
+    c->cons = PyMem_RawCalloc((size_t)ncs + 1, sizeof(*c->cons));
+    j->ev = PyMem_RawCalloc((size_t)j->nslots * (size_t)(j->ndevs + 1),
+                            sizeof(CUevent));
+    if (c->cons == NULL || j->ev == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < ncs; i++) {
+        unsigned long long s;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(cons, i), "iK;dcpx: "
+                              "consumer_streams holds (device, stream) pairs",
+                              &c->cons[i].dev, &s))
+            goto done;
+        if (dcpx_cuda_device_get(module, c->cons[i].dev) == NULL)
+            goto done;
+        c->cons[i].stream = (CUstream)(uintptr_t)s;
+    }
+    j->cons = c->cons;
+    j->ncons = ncs;
+    for (int d = 0; d < j->ndevs; d++) {
+        const char *call;
+        char what[128];
+        CUresult r;
+        for (Py_ssize_t k = 0; k < ncs; k++)
+            if (c->cons[k].dev == j->dev_id[d] &&
+                dcpx_cuda_after_consumer(module, j->dev_id[d],
+                                         c->cons[k].stream) < 0)
+                goto done;
+        r = dcpx_cuda_event_create(module, j->dev_id[d], &j->done[d], &call);
+        for (int s = 0; s < j->nslots && r == CUDA_SUCCESS; s++)
+            r = dcpx_cuda_event_create(module, j->dev_id[d],
+                                       &j->ev[s * j->ndevs + d], &call);
+        if (r != CUDA_SUCCESS) {
+            snprintf(what, sizeof(what), "%s on device %d", call,
+                     j->dev_id[d]);
+            dcpx_cuda_raise(module, r, what);
+            goto done;
+        }
+    }
+    rc = 0;
+done:
+    Py_XDECREF(cons);
+    return rc;
+}
+
+/* (failures, stats) of a load that ran. */
+static PyObject *results(call_state *c)
+{
+    pjob *j = &c->j;
+    PyObject *failures = PyList_New(0), *stats = NULL, *out = NULL;
+    for (Py_ssize_t i = 0; failures != NULL && i < j->n; i++) {
+        const dcpx_ritem *r = &j->items[i].r;
+        PyObject *t;
+        if (r->code == DCPX_RD_OK)
+            continue;
+        t = Py_BuildValue("(niis)", i, r->code, r->err, r->msg);
+        if (t == NULL || PyList_Append(failures, t) < 0)
+            Py_CLEAR(failures);
+        Py_XDECREF(t);
+    }
+    if (failures != NULL && (stats = stats_dict(j)) != NULL)
+        out = PyTuple_Pack(2, failures, stats);
+    Py_XDECREF(failures);
+    Py_XDECREF(stats);
+    return out;
+}
+
 PyObject *dcpx_cuda_load_pipeline(PyObject *module, PyObject *args,
                                   PyObject *kwds)
 {
     static char *kwlist[] = {"paths", "items", "ring", "consumer_streams",
                              "threads", "verify", "slot_bytes", NULL};
-    PyObject *paths, *items, *ring, *cons_obj = NULL, *cons = NULL;
-    PyObject *out = NULL, *failures = NULL, *stats = NULL;
+    PyObject *paths, *items, *ring, *cons = NULL, *out = NULL;
     unsigned long long slot_bytes = 4ULL << 20;
     int threads = 4, verify = 1, nomem = 0;
-    dcpx_cuda_stream *cs = NULL;
-    Py_ssize_t ncs = 0;
     call_state c;
     pjob *j = &c.j;
 
     memset(&c, 0, sizeof(c));
     j->err.index = j->err.dev = -1;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|OipK:cuda_load_pipeline",
-                                     kwlist, &paths, &items, &ring, &cons_obj,
+                                     kwlist, &paths, &items, &ring, &cons,
                                      &threads, &verify, &slot_bytes))
         return NULL;
     if (threads < 1 || threads > PIPE_MAX_THREADS) {
@@ -1167,130 +1303,28 @@ PyObject *dcpx_cuda_load_pipeline(PyObject *module, PyObject *args,
     }
     if (dcpx_cuda_load(module) < 0)
         return NULL;
-    j->verify = verify;
-    j->slot_bytes = (size_t)slot_bytes;
     if (pthread_mutex_init(&j->mu, NULL) != 0 ||
         pthread_cond_init(&j->cv, NULL) != 0) {
         PyErr_SetString(PyExc_RuntimeError, "dcpx: pthread init failed");
         return NULL;
     }
     c.mutex = 1;
-    if (parse_paths(j, paths) < 0)
+    j->verify = verify;
+    if (parse_paths(j, paths) < 0 ||
+        set_up_ring(&c, ring, (size_t)slot_bytes, threads) < 0 ||
+        parse_items(module, &c, items) < 0 ||
+        set_up_devices(module, &c, cons) < 0)
         goto done;
-    if (dcpx_view_from_object(ring, &c.ring, 1) < 0)
-        goto done;
-    c.have_ring = 1;
-    if (c.ring.device_type != DCPX_DL_CPU || !c.ring.contiguous ||
-        c.ring.nbytes / slot_bytes < 2) {
-        PyErr_SetString(PyExc_ValueError, "dcpx: the ring must be a contiguous "
-                        "host buffer of at least two slots");
-        goto done;
-    }
-    j->nslots = (int)(c.ring.nbytes / slot_bytes < 4096
-                          ? c.ring.nbytes / slot_bytes : 4096);
-    j->nthreads = threads < j->nslots - 1 ? threads : j->nslots - 1;
-    j->pinned = dcpx_cuda_registry_contains(c.ring.data,
-                                            (size_t)c.ring.nbytes);
-    j->batch = j->pinned && dcpx_cuda_batch_api() != NULL;
-    c.items = PySequence_Fast(items, "dcpx: items must be a sequence");
-    if (c.items == NULL)
-        goto done;
-    j->n = PySequence_Fast_GET_SIZE(c.items);
-    j->items = PyMem_RawCalloc((size_t)j->n + 1, sizeof(pitem));
-    j->order = PyMem_RawCalloc((size_t)j->n + 1, sizeof(Py_ssize_t));
-    c.views = PyMem_RawCalloc((size_t)j->n + 1, sizeof(dcpx_view));
-    j->slots = PyMem_RawCalloc((size_t)j->nslots, sizeof(slot));
-    if (!j->items || !j->order || !c.views || !j->slots) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < j->n; i++)
-        if (parse_item(module, &c, i) < 0)
-            goto done;
-    for (int s = 0; s < j->nslots; s++)
-        j->slots[s].p = (unsigned char *)c.ring.data + (size_t)s * slot_bytes;
-    /* The consumers: dcpx's streams wait for their pending work first. */
-    if (cons_obj != NULL && cons_obj != Py_None) {
-        cons = PySequence_Fast(cons_obj,
-                               "dcpx: consumer_streams must be a sequence");
-        if (cons == NULL)
-            goto done;
-        ncs = PySequence_Fast_GET_SIZE(cons);
-    }
-    cs = PyMem_RawCalloc((size_t)ncs + 1, sizeof(*cs));
-    if (cs == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < ncs; i++) {
-        unsigned long long s;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(cons, i), "iK;dcpx: "
-                              "consumer_streams holds (device, stream) pairs",
-                              &cs[i].dev, &s))
-            goto done;
-        if (dcpx_cuda_device_get(module, cs[i].dev) == NULL)
-            goto done;
-        cs[i].stream = (CUstream)(uintptr_t)s;
-    }
-    j->cons = cs;
-    j->ncons = ncs;
-    j->ev = PyMem_RawCalloc((size_t)j->nslots * (size_t)(j->ndevs + 1),
-                            sizeof(CUevent));
-    if (j->ev == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (int d = 0; d < j->ndevs; d++) {
-        const char *call;
-        char what[128];
-        CUresult rc = CUDA_SUCCESS;
-        for (Py_ssize_t k = 0; k < ncs; k++)
-            if (cs[k].dev == j->dev_id[d] &&
-                dcpx_cuda_after_consumer(module, j->dev_id[d], cs[k].stream) < 0)
-                goto done;
-        rc = dcpx_cuda_event_create(module, j->dev_id[d], &j->done[d], &call);
-        for (int s = 0; s < j->nslots && rc == CUDA_SUCCESS; s++)
-            rc = dcpx_cuda_event_create(module, j->dev_id[d],
-                                        &j->ev[s * j->ndevs + d], &call);
-        if (rc != CUDA_SUCCESS) {
-            snprintf(what, sizeof(what), "%s on device %d", call, j->dev_id[d]);
-            dcpx_cuda_raise(module, rc, what);
-            goto done;
-        }
-    }
     Py_BEGIN_ALLOW_THREADS
     run(j, &nomem);
     Py_END_ALLOW_THREADS
-    if (j->err.rc != CUDA_SUCCESS) {
+    if (j->err.rc != CUDA_SUCCESS)
         raise_cuda(module, &c);
-        goto done;
-    }
-    if (nomem) {
+    else if (nomem)
         PyErr_NoMemory();
-        goto done;
-    }
-    if ((failures = PyList_New(0)) == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < j->n; i++) {
-        const dcpx_ritem *r = &j->items[i].r;
-        PyObject *t;
-        if (r->code == DCPX_RD_OK)
-            continue;
-        t = Py_BuildValue("(niis)", i, r->code, r->err, r->msg);
-        if (t == NULL || PyList_Append(failures, t) < 0) {
-            Py_XDECREF(t);
-            goto done;
-        }
-        Py_DECREF(t);
-    }
-    if ((stats = stats_dict(j)) == NULL)
-        goto done;
-    out = PyTuple_Pack(2, failures, stats);
+    else
+        out = results(&c);
 done:
-    Py_XDECREF(failures);
-    Py_XDECREF(stats);
-    Py_XDECREF(cons);
     call_free(&c);
-    PyMem_RawFree(cs);
     return out;
 }

@@ -24,7 +24,6 @@ without batched copies, in a subprocess each.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import subprocess

@@ -1,5 +1,5 @@
 """dcpx's C CUDA path (csrc/cuda.c, csrc/cuda_stage.c, csrc/cuda_load.c) against a stand-in
-driver (tests/fake_cuda/fake_libcuda.c, built here with the C compiler):
+driver (tests/fake_cuda/fake_libcuda.c, built once per session by tests/conftest.py's fixtures):
 no GPU is needed, and none has run these paths; see docs/design.md, "CUDA
 path".
 
@@ -37,7 +37,7 @@ import torch
 from dcpx import _C
 
 from cuda_standin import (ILLEGAL_ADDRESS, INVALID_CONTEXT, INVALID_VALUE, OUT_OF_MEMORY,
-                          Device, FakeCudaTensor, build, load)
+                          FakeCudaTensor)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -538,6 +538,7 @@ def test_cuda_min_h_matches_the_toolkit(tmp_path):
         _Static_assert(CUDA_ERROR_NO_DEVICE == 100, "");
         _Static_assert(CUDA_ERROR_INVALID_DEVICE == 101, "");
         _Static_assert(CUDA_ERROR_NOT_READY == 600, "");
+        _Static_assert(CUDA_ERROR_NOT_SUPPORTED == 801, "");
         _Static_assert(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED == 712, "");
         _Static_assert(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED == 713, "");
         _Static_assert(CU_STREAM_NON_BLOCKING == 0x1, "");
@@ -698,7 +699,8 @@ def test_the_cuda_sources_compile_with_and_without_the_toolkit(with_toolkit):
              "-I", sysconfig.get_paths()["include"]]
     if with_toolkit:
         flags += ["-DDCPX_HAVE_CUDA_H", "-I", _toolkit_include()]
-    for src in ("cuda.c", "cuda_copy.c", "cuda_stage.c", "cuda_load.c", "gate.c", "module.c"):
+    for src in ("cuda.c", "cuda_copy.c", "cuda_stage.c", "cuda_load.c", "cuda_pipeline.c",
+                "gate.c", "module.c"):
         r = subprocess.run(["cc", *flags, str(REPO / "csrc" / src)], capture_output=True, text=True)
         assert r.returncode == 0, (src, r.stderr)
 
