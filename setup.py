@@ -35,6 +35,7 @@ SOURCES = [
     "csrc/cuda_stage.c",
     "csrc/cuda_load.c",
     "csrc/cuda_copy.c",
+    "csrc/cuda_pipeline.c",
     "csrc/gate.c",
     "csrc/files.c",
     "csrc/flatten.c",

@@ -13,6 +13,7 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +32,61 @@ typedef struct {
 } reg_range;
 static reg_range *g_reg;
 static size_t g_nreg, g_capreg;
+
+/* Batched copies: at most one of the two ABIs is resolved (the newer
+ * preferred); g_batch_off switches them off (cuda_batch_copies). */
+static dcpx_cu_batch_v1 g_batch_v1;
+static dcpx_cu_batch_v2 g_batch_v2;
+static atomic_int g_batch_off;
+static atomic_long g_count[DCPX_CUDA_N_COUNTERS];
+
+void dcpx_cuda_count(int counter, long n)
+{
+    atomic_fetch_add_explicit(&g_count[counter], n, memory_order_relaxed);
+}
+
+const char *dcpx_cuda_batch_api(void)
+{
+    if (atomic_load(&g_batch_off))
+        return NULL;
+    if (g_batch_v2 != NULL)
+        return "cuMemcpyBatchAsync_v2";
+    if (g_batch_v1 != NULL)
+        return "cuMemcpyBatchAsync";
+    return NULL;
+}
+
+const char *dcpx_cuda_batch_call(int exact)
+{
+    if (g_batch_v2 != NULL)
+        return exact ? "cuMemcpyBatchAsync_v2"
+                     : "cuMemcpyBatchAsync_v2 (a batch starting with the copy)";
+    return exact ? "cuMemcpyBatchAsync"
+                 : "cuMemcpyBatchAsync (a batch starting with the copy)";
+}
+
+CUresult dcpx_cuda_memcpy_batch(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                                size_t *sizes, size_t count, CUstream stream,
+                                Py_ssize_t *failed)
+{
+    /* One set of attributes for every copy: the sources (dcpx's pinned
+     * buffers, or device memory ordered by events) are read in stream
+     * order; no location hints (they concern managed memory only). */
+    dcpx_cu_memcpy_attrs attrs;
+    size_t idx = 0, fail = (size_t)-1;
+    CUresult rc;
+    memset(&attrs, 0, sizeof(attrs));
+    attrs.srcAccessOrder = DCPX_CU_SRC_ACCESS_ORDER_STREAM;
+    *failed = -1;
+    if (g_batch_v2 != NULL)
+        return g_batch_v2(dsts, srcs, sizes, count, &attrs, &idx, 1, stream);
+    if (g_batch_v1 == NULL)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    rc = g_batch_v1(dsts, srcs, sizes, count, &attrs, &idx, 1, &fail, stream);
+    if (rc != CUDA_SUCCESS && fail < count)
+        *failed = (Py_ssize_t)fail;
+    return rc;
+}
 
 int dcpx_cuda_forked(void) { return g_forked; }
 
@@ -145,6 +201,16 @@ int dcpx_cuda_load(PyObject *module)
         dcpx_cuda_raise(module, rc, "cuInit");
         return -1;
     }
+    /* Batched copies came with CUDA 12.8 (cuMemcpyBatchAsync, with
+     * failIdx); CUDA 13.0 added cuMemcpyBatchAsync_v2 (without) and kept
+     * the old symbol for old binaries.  A symbol in a driver older than
+     * its version is not one dcpx knows the ABI of. */
+    g_batch_v1 = NULL;
+    g_batch_v2 = NULL;
+    if (version >= 13000)
+        *(void **)&g_batch_v2 = dlsym(lib, "cuMemcpyBatchAsync_v2");
+    if (version >= 12080 && g_batch_v2 == NULL)
+        *(void **)&g_batch_v1 = dlsym(lib, "cuMemcpyBatchAsync");
     rc = dcpx_cu.cuDeviceGetCount(&g_ndevices);
     if (rc != CUDA_SUCCESS) {
         dcpx_cuda_raise(module, rc, "cuDeviceGetCount");
@@ -248,6 +314,17 @@ int dcpx_cuda_registry_add(void *p, size_t n)
     g_reg[g_nreg].p = p;
     g_reg[g_nreg].n = n;
     g_nreg++;
+    return 0;
+}
+
+int dcpx_cuda_registry_contains(const void *p, size_t n)
+{
+    const char *c = p;
+    for (size_t i = 0; i < g_nreg; i++) {
+        const char *r = g_reg[i].p;
+        if (c >= r && c <= r + g_reg[i].n && n <= g_reg[i].n - (size_t)(c - r))
+            return 1;
+    }
     return 0;
 }
 
@@ -424,4 +501,46 @@ PyObject *dcpx_cuda_release_all(PyObject *module, PyObject *unused)
         d->stream = NULL;
     }
     return PyLong_FromSize_t(n);
+}
+
+/* cuda_copy_stats(): the copy calls made since the driver was loaded, and
+ * which batched entry point is in use (None: one call per copy). */
+PyObject *dcpx_cuda_copy_stats(PyObject *module, PyObject *unused)
+{
+    const char *api;
+    (void)module;
+    (void)unused;
+    api = g_loaded ? dcpx_cuda_batch_api() : NULL;
+    return Py_BuildValue(
+        "{s:z,s:O,s:l,s:l,s:l,s:l,s:l,s:l}", "batch_api", api,
+        "batch_available", (g_batch_v1 || g_batch_v2) ? Py_True : Py_False,
+        "htod_calls", atomic_load(&g_count[DCPX_CUDA_N_HTOD]),
+        "dtoh_calls", atomic_load(&g_count[DCPX_CUDA_N_DTOH]),
+        "batch_htod_calls", atomic_load(&g_count[DCPX_CUDA_N_BATCH_HTOD]),
+        "batch_dtoh_calls", atomic_load(&g_count[DCPX_CUDA_N_BATCH_DTOH]),
+        "batched_htod", atomic_load(&g_count[DCPX_CUDA_N_BATCHED_HTOD]),
+        "batched_dtoh", atomic_load(&g_count[DCPX_CUDA_N_BATCHED_DTOH]));
+}
+
+/* cuda_batch_copies(enabled=None): switch batched copies on or off for
+ * this process (None: leave as is); returns the entry point now in use,
+ * or None.  For tests and benchmarks that compare both paths. */
+PyObject *dcpx_cuda_batch_copies(PyObject *module, PyObject *args)
+{
+    PyObject *on = Py_None;
+    const char *api;
+    if (!PyArg_ParseTuple(args, "|O:cuda_batch_copies", &on))
+        return NULL;
+    if (dcpx_cuda_load(module) < 0)
+        return NULL;
+    if (on != Py_None) {
+        int t = PyObject_IsTrue(on);
+        if (t < 0)
+            return NULL;
+        atomic_store(&g_batch_off, !t);
+    }
+    api = dcpx_cuda_batch_api();
+    if (api == NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_FromString(api);
 }

@@ -34,6 +34,65 @@
     X(cuMemHostRegister_v2) X(cuMemHostUnregister) X(cuGetErrorName)      \
     X(cuGetErrorString)
 
+/* Batched copies (CUDA 12.8+), optional: resolved when the driver has
+ * them, never required.  Two ABIs under two symbols: CUDA 12.8's
+ * cuMemcpyBatchAsync (with failIdx) and CUDA 13.0's cuMemcpyBatchAsync_v2
+ * (without; cuda.h 13 maps the plain name to it).  The attributes struct
+ * is dcpx's own copy of CUmemcpyAttributes (checked against cuda.h below
+ * when the Toolkit's is 12.8 or newer), so that a build with an older
+ * cuda.h or with cuda_min.h can call either. */
+typedef struct {
+    int type;
+    int id;
+} dcpx_cu_mem_location;               /* CUmemLocation */
+typedef struct {
+    int srcAccessOrder;               /* CUmemcpySrcAccessOrder */
+    dcpx_cu_mem_location srcLocHint;
+    dcpx_cu_mem_location dstLocHint;
+    unsigned int flags;
+} dcpx_cu_memcpy_attrs;               /* CUmemcpyAttributes */
+#define DCPX_CU_SRC_ACCESS_ORDER_STREAM 1
+typedef CUresult (*dcpx_cu_batch_v1)(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                                     size_t *sizes, size_t count,
+                                     dcpx_cu_memcpy_attrs *attrs,
+                                     size_t *attrsIdxs, size_t numAttrs,
+                                     size_t *failIdx, CUstream hStream);
+typedef CUresult (*dcpx_cu_batch_v2)(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                                     size_t *sizes, size_t count,
+                                     dcpx_cu_memcpy_attrs *attrs,
+                                     size_t *attrsIdxs, size_t numAttrs,
+                                     CUstream hStream);
+#if defined(DCPX_HAVE_CUDA_H) && defined(CUDA_VERSION) && CUDA_VERSION >= 12080
+#include <stddef.h>
+_Static_assert(sizeof(dcpx_cu_memcpy_attrs) == sizeof(CUmemcpyAttributes) &&
+               offsetof(dcpx_cu_memcpy_attrs, srcLocHint) ==
+                   offsetof(CUmemcpyAttributes, srcLocHint) &&
+               offsetof(dcpx_cu_memcpy_attrs, dstLocHint) ==
+                   offsetof(CUmemcpyAttributes, dstLocHint) &&
+               offsetof(dcpx_cu_memcpy_attrs, flags) ==
+                   offsetof(CUmemcpyAttributes, flags) &&
+               sizeof(CUmemcpySrcAccessOrder) == sizeof(int) &&
+               sizeof(CUmemLocationType) == sizeof(int),
+               "dcpx_cu_memcpy_attrs must match cuda.h's CUmemcpyAttributes");
+_Static_assert(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM ==
+                   DCPX_CU_SRC_ACCESS_ORDER_STREAM, "cuda.h's value");
+#if CUDA_VERSION >= 13000 /* cuMemcpyBatchAsync is cuMemcpyBatchAsync_v2 */
+_Static_assert(__builtin_types_compatible_p(
+                   __typeof__(&cuMemcpyBatchAsync),
+                   CUresult (*)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
+                                CUmemcpyAttributes *, size_t *, size_t,
+                                CUstream)),
+               "cuMemcpyBatchAsync_v2's prototype as dcpx_cu_batch_v2's");
+#else
+_Static_assert(__builtin_types_compatible_p(
+                   __typeof__(&cuMemcpyBatchAsync),
+                   CUresult (*)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t,
+                                CUmemcpyAttributes *, size_t *, size_t,
+                                size_t *, CUstream)),
+               "cuMemcpyBatchAsync's prototype as dcpx_cu_batch_v1's");
+#endif
+#endif
+
 typedef struct {
 #define DCPX_CUDA_MEMBER(name) __typeof__(name) *name;
     DCPX_CUDA_FN(DCPX_CUDA_MEMBER)
@@ -113,6 +172,9 @@ typedef struct {
     /* 0 nothing queued, 1 copies without their event, 2 copies and their
      * recorded event */
     int queued[DCPX_CUDA_MAX_DEVICES];
+    /* the host side of every run is page-locked (set with the GIL): the
+     * runs of a device may go in batched calls */
+    int pinned;
     dcpx_cuda_err err;
 } dcpx_cuda_batch;
 
@@ -144,6 +206,44 @@ void dcpx_cuda_batch_raise(PyObject *module, const dcpx_cuda_batch *b,
                            PyObject *pairs);
 /* GIL held.  Destroy the batch's events, each in its device's context. */
 void dcpx_cuda_batch_destroy(dcpx_cuda_batch *b);
+/* Batched copies.  dcpx_cuda_batch_api(): the entry point in use
+ * ("cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync"), or NULL when the driver
+ * has none or they are switched off (cuda_batch_copies(False)).  No GIL
+ * needed; the answer may change only between calls that copy (the switch
+ * is flipped with the GIL held, by tests and benchmarks). */
+const char *dcpx_cuda_batch_api(void);
+/* No GIL needed.  One batched call: `count` copies dsts[i] <- srcs[i] of
+ * sizes[i] bytes, in either direction, on `stream` (its device's context
+ * current), the sources read in stream order.  *failed: the copy the
+ * driver named as failing (the 12.8 ABI), else -1.  CUDA_ERROR_NOT_SUPPORTED
+ * without a batch entry point. */
+CUresult dcpx_cuda_memcpy_batch(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                                size_t *sizes, size_t count, CUstream stream,
+                                Py_ssize_t *failed);
+/* The call a failed batch is reported as: the entry point (exact: the
+ * driver named the failing copy), or the batch from its first copy. */
+const char *dcpx_cuda_batch_call(int exact);
+/* At most this many copies per batched call. */
+#define DCPX_CUDA_BATCH_MAX 1024
+
+/* Counters of the copy calls made since the driver was loaded (no GIL
+ * needed to add to them); cuda_copy_stats() reports them. */
+enum {
+    DCPX_CUDA_N_HTOD,          /* cuMemcpyHtoDAsync calls */
+    DCPX_CUDA_N_DTOH,          /* cuMemcpyDtoHAsync calls */
+    DCPX_CUDA_N_BATCH_HTOD,    /* batched calls of host-to-device copies */
+    DCPX_CUDA_N_BATCH_DTOH,    /* batched calls of device-to-host copies */
+    DCPX_CUDA_N_BATCHED_HTOD,  /* copies made by those calls */
+    DCPX_CUDA_N_BATCHED_DTOH,
+    DCPX_CUDA_N_COUNTERS
+};
+void dcpx_cuda_count(int counter, long n);
+/* GIL held.  Whether [p, p + n) lies in a range dcpx page-locked. */
+int dcpx_cuda_registry_contains(const void *p, size_t n);
+/* GIL held.  dcpx's stream on `dev` waits for the work queued so far on
+ * the consumer's `stream` (an event recorded there); -1 with CudaError. */
+int dcpx_cuda_after_consumer(PyObject *module, int dev, CUstream stream);
+
 /* Whether this process forked after CUDA was set up in its parent: the
  * child must not touch the parent's CUDA state. */
 int dcpx_cuda_forked(void);
@@ -165,5 +265,9 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
                                    PyObject *kwds);
 PyObject *dcpx_cuda_wait(PyObject *module, PyObject *pending);
 PyObject *dcpx_cuda_stage_wait(PyObject *module, PyObject *pending);
+PyObject *dcpx_cuda_copy_stats(PyObject *module, PyObject *unused);
+PyObject *dcpx_cuda_batch_copies(PyObject *module, PyObject *args);
+PyObject *dcpx_cuda_load_pipeline(PyObject *module, PyObject *args,
+                                  PyObject *kwds);
 
 #endif /* DCPX_CUDA_API_H */

@@ -71,6 +71,58 @@ CUresult dcpx_cuda_batch_events(PyObject *module, dcpx_cuda_batch *b,
     return CUDA_SUCCESS;
 }
 
+/* Queue runs [i, j) of one device (its context current) in batched calls
+ * of at most DCPX_CUDA_BATCH_MAX copies.  Returns 0; or 1 when the arrays
+ * cannot be allocated (nothing queued: the caller copies one by one); or
+ * -1 with the failure noted. */
+static int queue_batched(dcpx_cuda_batch *b, Py_ssize_t i, Py_ssize_t j,
+                         CUstream stream)
+{
+    size_t cap = (size_t)(j - i) < DCPX_CUDA_BATCH_MAX ? (size_t)(j - i)
+                                                       : DCPX_CUDA_BATCH_MAX;
+    CUdeviceptr *dsts = malloc(cap * sizeof(*dsts));
+    CUdeviceptr *srcs = malloc(cap * sizeof(*srcs));
+    size_t *sizes = malloc(cap * sizeof(*sizes));
+    int out = 0;
+    if (dsts == NULL || srcs == NULL || sizes == NULL) {
+        free(dsts);
+        free(srcs);
+        free(sizes);
+        return 1;
+    }
+    for (Py_ssize_t k = i; k < j && out == 0; k += (Py_ssize_t)cap) {
+        size_t m = (size_t)(j - k) < cap ? (size_t)(j - k) : cap;
+        Py_ssize_t failed;
+        for (size_t q = 0; q < m; q++) {
+            const dcpx_cuda_run *r = &b->runs[k + (Py_ssize_t)q];
+            CUdeviceptr host = (CUdeviceptr)(uintptr_t)r->host;
+            dsts[q] = b->htod ? r->dptr : host;
+            srcs[q] = b->htod ? host : r->dptr;
+            sizes[q] = r->n;
+        }
+        CUresult rc = dcpx_cuda_memcpy_batch(dsts, srcs, sizes, m, stream,
+                                             &failed);
+        if (rc != CUDA_SUCCESS) {
+            /* The copy the driver named, else the batch's first (the
+             * message says which). */
+            const dcpx_cuda_run *r = &b->runs[k + (failed >= 0 ? failed : 0)];
+            dcpx_cuda_note(&b->err, rc, dcpx_cuda_batch_call(failed >= 0),
+                           r->index, r->dev);
+            out = -1;
+            break;
+        }
+        dcpx_cuda_count(b->htod ? DCPX_CUDA_N_BATCH_HTOD
+                                : DCPX_CUDA_N_BATCH_DTOH, 1);
+        dcpx_cuda_count(b->htod ? DCPX_CUDA_N_BATCHED_HTOD
+                                : DCPX_CUDA_N_BATCHED_DTOH, (long)m);
+        b->queued[b->runs[k].dev] = 1;
+    }
+    free(dsts);
+    free(srcs);
+    free(sizes);
+    return out;
+}
+
 void dcpx_cuda_batch_queue(dcpx_cuda_batch *b)
 {
     const char *copy_call = b->htod ? "cuMemcpyHtoDAsync"
@@ -78,28 +130,44 @@ void dcpx_cuda_batch_queue(dcpx_cuda_batch *b)
     CUcontext saved = NULL;
     dcpx_cuda_err *err = &b->err;
     CUresult rc;
+    Py_ssize_t batched_to = 0; /* runs below it were queued in batches */
 
     dcpx_cu.cuCtxGetCurrent(&saved);
     for (Py_ssize_t i = 0; i < b->nruns && err->rc == CUDA_SUCCESS; i++) {
         const dcpx_cuda_run *r = &b->runs[i];
         dcpx_cuda_device *d = b->devs[r->dev];
         if (i == 0 || b->runs[i - 1].dev != r->dev) {
+            Py_ssize_t j = i + 1;
             if ((rc = dcpx_cu.cuCtxSetCurrent(d->ctx)) != CUDA_SUCCESS) {
                 dcpx_cuda_note(err, rc, "cuCtxSetCurrent", r->index, r->dev);
                 break;
             }
+            /* The device's runs in batched calls, where the driver has
+             * them and the host memory is page-locked. */
+            while (j < b->nruns && b->runs[j].dev == r->dev)
+                j++;
+            if (b->pinned && j - i > 1 && dcpx_cuda_batch_api() != NULL) {
+                int q = queue_batched(b, i, j, d->stream);
+                if (q < 0)
+                    break;
+                if (q == 0)
+                    batched_to = j;
+            }
         }
-        if (b->htod)
-            rc = dcpx_cu.cuMemcpyHtoDAsync_v2(r->dptr, r->host, r->n,
-                                              d->stream);
-        else
-            rc = dcpx_cu.cuMemcpyDtoHAsync_v2(r->host, r->dptr, r->n,
-                                              d->stream);
-        if (rc != CUDA_SUCCESS) {
-            dcpx_cuda_note(err, rc, copy_call, r->index, r->dev);
-            break;
+        if (i >= batched_to) {
+            if (b->htod)
+                rc = dcpx_cu.cuMemcpyHtoDAsync_v2(r->dptr, r->host, r->n,
+                                                  d->stream);
+            else
+                rc = dcpx_cu.cuMemcpyDtoHAsync_v2(r->host, r->dptr, r->n,
+                                                  d->stream);
+            if (rc != CUDA_SUCCESS) {
+                dcpx_cuda_note(err, rc, copy_call, r->index, r->dev);
+                break;
+            }
+            dcpx_cuda_count(b->htod ? DCPX_CUDA_N_HTOD : DCPX_CUDA_N_DTOH, 1);
+            b->queued[r->dev] = 1;
         }
-        b->queued[r->dev] = 1;
         if (i + 1 < b->nruns && b->runs[i + 1].dev == r->dev)
             continue;
         /* The device's last copy: its event, which the device's consumer

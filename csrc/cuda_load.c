@@ -35,9 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* GIL held.  dcpx's stream on `dev` waits for the work queued so far on
- * the consumer's `stream`. */
-static int after_consumer(PyObject *module, int dev, CUstream stream)
+int dcpx_cuda_after_consumer(PyObject *module, int dev, CUstream stream)
 {
     dcpx_cuda_device *d = dcpx_cuda_device_get(module, dev);
     CUcontext saved = NULL;
@@ -237,6 +235,11 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
         runs[nruns].index = i;
         nruns++;
     }
+    /* Batched copies only from page-locked memory (the driver's rules for
+     * pageable sources differ). */
+    j->b.pinned = 1;
+    for (Py_ssize_t i = 0; i < nruns && j->b.pinned; i++)
+        j->b.pinned = dcpx_cuda_registry_contains(runs[i].host, runs[i].n);
     j->b.runs = runs;
     j->b.nruns = dcpx_cuda_runs_sort(runs, nruns, 0);
     j->b.cons = cs;
@@ -249,7 +252,8 @@ PyObject *dcpx_cuda_copy_from_host(PyObject *module, PyObject *args,
         if (j->b.ev[d] != NULL)
             continue;
         for (Py_ssize_t k = 0; k < ncs; k++)
-            if (cs[k].dev == d && after_consumer(module, d, cs[k].stream) < 0)
+            if (cs[k].dev == d &&
+                dcpx_cuda_after_consumer(module, d, cs[k].stream) < 0)
                 goto done;
         j->b.devs[d] = dcpx_cuda_device_get(module, d);
         rc = dcpx_cuda_event_create(module, d, &j->b.ev[d], &call);

@@ -162,6 +162,7 @@ typedef struct {
     uint64_t *ready;   /* per segment: the watermark once it completed */
     Py_ssize_t nseg;
     dcpx_gate *gate;
+    int pinned;        /* the buffer is page-locked: batched copies allowed */
     int waited;
 } stage_job;
 
@@ -277,6 +278,7 @@ static PyObject *stage_job_start(stage_job *j, Py_ssize_t nruns,
                           ? (uint64_t)(j->runs[i + 1].host - j->base.data)
                           : (uint64_t)j->base.nbytes;
         b->nruns = dcpx_cuda_runs_sort(b->runs, i + 1 - start, 1);
+        b->pinned = j->pinned;
         k++;
         start = i + 1;
         acc = 0;
@@ -467,6 +469,8 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
         j->views = views;
         j->nviews = nviews;
         j->runs = runs;
+        j->pinned = dcpx_cuda_registry_contains(base.data,
+                                                (size_t)base.nbytes);
         pairs = NULL;
         have_base = 0;
         views = NULL;
@@ -479,6 +483,7 @@ PyObject *dcpx_cuda_copy_into(PyObject *module, PyObject *args,
      * on the device and in the buffer, of one allocation. */
     b.runs = runs;
     b.nruns = dcpx_cuda_runs_sort(runs, nruns, 1);
+    b.pinned = dcpx_cuda_registry_contains(base.data, (size_t)base.nbytes);
     /* One event per device in use, created here (they need the device's
      * context current, and creating them cannot fail half-way through the
      * copies). */

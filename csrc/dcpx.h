@@ -194,6 +194,60 @@ int dcpx_pickle_parse_tensor(const unsigned char *p, size_t n,
                              dcpx_tensor_record *rec, const char **why);
 
 /* ------------------------------------------------------------------ */
+/* reader.c: one archive of a read, and the steps of reading it that the
+ * CUDA load pipeline (cuda_pipe.c) shares with read_items. */
+enum {
+    DCPX_RD_OK = 0,
+    DCPX_RD_FALLBACK = 1, /* valid, in a form left to torch.load */
+    DCPX_RD_CORRUPT = 2,
+    DCPX_RD_IO = 3,
+    DCPX_RD_CRC = 4,
+};
+#define DCPX_READ_WINDOW ((size_t)64 << 10) /* head and tail windows */
+
+typedef struct {
+    Py_ssize_t file;
+    uint64_t offset, length;
+    /* What the archive must hold: its shape, itemsize and byte count are
+     * checked against the record (read_items: the destination itself,
+     * owned and released after the join; the pipeline: a description of
+     * the saved chunk, owning nothing). */
+    dcpx_view dest;
+    char storage_type[48];   /* "": the extent holds the raw bytes */
+    /* result */
+    int code;
+    int err;
+    char msg[160];
+} dcpx_ritem;
+
+/* Where an archive's tensor bytes lie, relative to the archive's start. */
+typedef struct {
+    uint64_t at, len;
+    uint32_t crc;      /* recorded; 0: none */
+    uint32_t swap;     /* bytes of each swapped unit (other byte order); 0 */
+    int in_mem;        /* the whole archive was in memory (mem or scratch) */
+} dcpx_archive_loc;
+
+/* pread exactly n bytes; -1 with errno (0: the file is short). */
+int dcpx_pread_all(int fd, void *p, size_t n, uint64_t off);
+/* Record a failure in it; returns -1. */
+int dcpx_ritem_fail(dcpx_ritem *it, int code, int err, const char *msg);
+int dcpx_ritem_io_fail(dcpx_ritem *it, const char *what);
+/* Parse the archive it names (from mem when its bytes are there, else from
+ * fd: whole into scratch when it is at most 2 * DCPX_READ_WINDOW, else its
+ * head and tail windows; scratch holds 2 * DCPX_READ_WINDOW), check
+ * data.pkl's CRC (verify) and the record against it->dest, and locate the
+ * tensor bytes.  0, or -1 with the failure in it. */
+int dcpx_archive_locate(int fd, int verify, dcpx_ritem *it,
+                        unsigned char *scratch, const unsigned char *mem,
+                        dcpx_archive_loc *loc);
+/* 0 when crc matches the recorded one (or none was recorded), else -1
+ * with a CRC failure in it. */
+int dcpx_archive_check_crc(dcpx_ritem *it, uint32_t recorded, uint32_t crc);
+/* Reverse each `unit`-byte element of p[0 .. n) in place. */
+void dcpx_byteswap(unsigned char *p, uint64_t n, uint32_t unit);
+
+/* ------------------------------------------------------------------ */
 /* Types (writer.c, reader.c) and module plumbing (module.c). */
 /* flatten.c: what the state dict walk compares against, imported on
  * first use; all owned. */

@@ -365,6 +365,29 @@ PyDoc_STRVAR(cuda_stage_wait_doc,
              "completes; raise CudaError (call, key, device) if a copy "
              "failed, after failing the gate.  Idempotent.");
 
+PyDoc_STRVAR(cuda_pipeline_doc,
+             "cuda_load_pipeline($module, paths, items, ring, "
+             "consumer_streams=(), threads=4, verify=True, "
+             "slot_bytes=4194304)\n--\n\n"
+             "Read archives into CUDA tensors through a ring of page-locked "
+             "slots, reads and host-to-device copies overlapped, the CRC "
+             "computed on the bytes as they are read.  item: (file, offset, "
+             "length, storage_type, shape, itemsize, dst, lo, key[, "
+             "alloc_key]).  Returns (failures, stats); failures as "
+             "read_items (csrc/cuda_pipeline.c).");
+
+PyDoc_STRVAR(cuda_copy_stats_doc,
+             "cuda_copy_stats($module, /)\n--\n\n"
+             "The copy calls made since the CUDA driver was loaded (one per "
+             "copy, batched calls and the copies they made, each direction) "
+             "and the batched entry point in use, or None.");
+
+PyDoc_STRVAR(cuda_batch_copies_doc,
+             "cuda_batch_copies($module, enabled=None, /)\n--\n\n"
+             "Switch batched copies (cuMemcpyBatchAsync, CUDA 12.8+) on or "
+             "off for this process (None: as is); the entry point now in "
+             "use, or None.");
+
 PyDoc_STRVAR(gate_stats_doc,
              "gate_stats($module, gate, /)\n--\n\n"
              "(ready_bytes, failed, writers_blocked) of a staging gate (the "
@@ -395,6 +418,13 @@ static PyMethodDef dcpx_methods[] = {
      (PyCFunction)(void (*)(void))dcpx_cuda_copy_from_host,
      METH_VARARGS | METH_KEYWORDS, cuda_load_doc},
     {"cuda_wait", dcpx_cuda_wait, METH_O, cuda_wait_doc},
+    {"cuda_load_pipeline",
+     (PyCFunction)(void (*)(void))dcpx_cuda_load_pipeline,
+     METH_VARARGS | METH_KEYWORDS, cuda_pipeline_doc},
+    {"cuda_copy_stats", dcpx_cuda_copy_stats, METH_NOARGS,
+     cuda_copy_stats_doc},
+    {"cuda_batch_copies", dcpx_cuda_batch_copies, METH_VARARGS,
+     cuda_batch_copies_doc},
     {"cuda_stage_wait", dcpx_cuda_stage_wait, METH_O, cuda_stage_wait_doc},
     {"gate_stats", dcpx_gate_stats, METH_O, gate_stats_doc},
     {"check_pickle", dcpx_check_pickle, METH_VARARGS, check_pickle_doc},

@@ -49,24 +49,16 @@
 #include <unistd.h>
 
 #define WHOLE_MAX ((uint64_t)256 << 10) /* read small archives in one go */
-#define WINDOW ((size_t)64 << 10)       /* head/tail windows otherwise */
+#define WINDOW DCPX_READ_WINDOW         /* head/tail windows otherwise */
 #define CHUNK ((size_t)4 << 20)
 #define RUN_MAX ((uint64_t)1 << 20)      /* bytes of one grouped pread */
 #define RUN_GAP ((uint64_t)4 << 10)      /* largest gap read through in a run */
 
-enum { RD_OK = 0, RD_FALLBACK = 1, RD_CORRUPT = 2, RD_IO = 3, RD_CRC = 4,
+enum { RD_OK = DCPX_RD_OK, RD_FALLBACK = DCPX_RD_FALLBACK,
+       RD_CORRUPT = DCPX_RD_CORRUPT, RD_IO = DCPX_RD_IO, RD_CRC = DCPX_RD_CRC,
        RD_SERIAL = 5 /* inside execute() only: read after the workers */ };
 
-typedef struct {
-    Py_ssize_t file;
-    uint64_t offset, length;
-    dcpx_view dest;                  /* owned, released after join */
-    char storage_type[48];
-    /* result */
-    int code;
-    int err;
-    char msg[160];
-} ritem;
+typedef dcpx_ritem ritem;
 
 typedef struct {
     ritem *items;
@@ -89,7 +81,7 @@ typedef struct {
     unsigned char *run;              /* RUN_MAX, allocated at first use */
 } scratch;
 
-static int pread_all(int fd, void *p, size_t n, uint64_t off)
+int dcpx_pread_all(int fd, void *p, size_t n, uint64_t off)
 {
     char *c = p;
     while (n) {
@@ -126,6 +118,16 @@ static int io_fail(ritem *it, const char *what)
     char m[96];
     snprintf(m, sizeof(m), "%s failed", what);
     return fail(it, RD_IO, errno, m);
+}
+
+int dcpx_ritem_fail(ritem *it, int code, int err, const char *msg)
+{
+    return fail(it, code, err, msg);
+}
+
+int dcpx_ritem_io_fail(ritem *it, const char *what)
+{
+    return io_fail(it, what);
 }
 
 /* A window [wbeg, wbeg + wlen) of the archive is in memory at `w`. */
@@ -222,7 +224,7 @@ static int archive_swaps(const window *head, const unsigned char *cd,
 
 /* Reverse the bytes of each `size`-byte element of p[0 .. n), in place
  * (torch's UntypedStorage._byteswap). */
-static void byteswap(unsigned char *p, uint64_t n, uint32_t size)
+void dcpx_byteswap(unsigned char *p, uint64_t n, uint32_t size)
 {
     if (size == 2) {
         for (uint64_t i = 0; i + 2 <= n; i += 2) {
@@ -286,17 +288,16 @@ static int read_raw(rjob *job, ritem *it, const unsigned char *mem)
     }
     for (uint64_t done = 0; done < it->length; done += CHUNK) {
         size_t n = it->length - done < CHUNK ? (size_t)(it->length - done) : CHUNK;
-        if (pread_all(job->fds[it->file], it->dest.data + done, n,
+        if (dcpx_pread_all(job->fds[it->file], it->dest.data + done, n,
                       it->offset + done) < 0)
             return io_fail(it, "read");
     }
     return 0;
 }
 
-static int read_archive(rjob *job, ritem *it, scratch *s,
-                        const unsigned char *mem)
+int dcpx_archive_locate(int fd, int verify, ritem *it, unsigned char *scratch,
+                        const unsigned char *mem, dcpx_archive_loc *loc)
 {
-    int fd = job->fds[it->file];
     const uint64_t L = it->length;
     window head, tail;
     const char *why = "";
@@ -306,30 +307,25 @@ static int read_archive(rjob *job, ritem *it, scratch *s,
     const unsigned char *p, *cd = NULL;
     int rc, swap = 0;
 
-    if (it->storage_type[0] == '\0')
-        return read_raw(job, it, mem);
+    if (mem == NULL && L <= 2 * WINDOW) {
+        if (dcpx_pread_all(fd, scratch, L, it->offset) < 0)
+            return io_fail(it, "read");
+        mem = scratch;
+    }
     if (mem != NULL) {
         head.w = tail.w = mem;
         head.wbeg = tail.wbeg = 0;
         head.wlen = tail.wlen = L;
     }
-    else if (L <= WHOLE_MAX) {
-        if (pread_all(fd, s->buf, L, it->offset) < 0)
-            return io_fail(it, "read");
-        mem = s->buf;
-        head.w = tail.w = s->buf;
-        head.wbeg = tail.wbeg = 0;
-        head.wlen = tail.wlen = L;
-    }
     else {
-        head.w = s->buf;
+        head.w = scratch;
         head.wbeg = 0;
         head.wlen = WINDOW;
-        tail.w = s->buf + WINDOW;
+        tail.w = scratch + WINDOW;
         tail.wbeg = L - WINDOW;
         tail.wlen = WINDOW;
-        if (pread_all(fd, s->buf, WINDOW, it->offset) < 0 ||
-            pread_all(fd, s->buf + WINDOW, WINDOW, it->offset + L - WINDOW) < 0)
+        if (dcpx_pread_all(fd, scratch, WINDOW, it->offset) < 0 ||
+            dcpx_pread_all(fd, scratch + WINDOW, WINDOW, it->offset + L - WINDOW) < 0)
             return io_fail(it, "read");
     }
     rc = dcpx_zip_find_cd(tail.w, tail.wlen, L, &cd_off, &cd_len, &why);
@@ -356,7 +352,7 @@ static int read_archive(rjob *job, ritem *it, scratch *s,
                                           : DCPX_PARSE_UNSUPPORTED;
         why = "data.pkl lies outside the archive window";
     }
-    if (rc == DCPX_PARSE_OK && job->verify && pkl_crc &&
+    if (rc == DCPX_PARSE_OK && verify && pkl_crc &&
         dcpx_crc32(0, p, pkl_len) != pkl_crc)
         return fail(it, RD_CRC, 0, "CRC-32 mismatch in data.pkl");
     if (rc == DCPX_PARSE_OK)
@@ -381,9 +377,44 @@ static int read_archive(rjob *job, ritem *it, scratch *s,
     if (rc != DCPX_PARSE_OK)
         return fail(it, rc == DCPX_PARSE_UNSUPPORTED ? RD_FALLBACK : RD_CORRUPT,
                     0, why);
+    loc->at = data_lho + doff;
+    loc->len = data_len;
+    loc->crc = data_crc;
+    loc->swap = swap ? swap_unit(it, &rec) : 0;
+    loc->in_mem = mem != NULL;
+    return 0;
+}
+
+int dcpx_archive_check_crc(ritem *it, uint32_t recorded, uint32_t crc)
+{
+    /* A zero CRC field means "not recorded" (torch with CRC writing off). */
+    if (recorded != 0 && crc != recorded) {
+        char m[160];
+        snprintf(m, sizeof(m), "CRC-32 mismatch in tensor data: recorded "
+                 "%08x, computed %08x", recorded, crc);
+        return fail(it, RD_CRC, 0, m);
+    }
+    return 0;
+}
+
+static int read_archive(rjob *job, ritem *it, scratch *s,
+                        const unsigned char *mem)
+{
+    int fd = job->fds[it->file];
+    dcpx_archive_loc loc;
+
+    if (it->storage_type[0] == '\0')
+        return read_raw(job, it, mem);
+    if (mem == NULL && it->length <= WHOLE_MAX) {
+        if (dcpx_pread_all(fd, s->buf, it->length, it->offset) < 0)
+            return io_fail(it, "read");
+        mem = s->buf;
+    }
+    if (dcpx_archive_locate(fd, job->verify, it, s->buf, mem, &loc) < 0)
+        return -1;
 
     /* The bytes: from the buffer, or pread straight into the tensor. */
-    uint64_t at = data_lho + doff;
+    const uint64_t at = loc.at, data_len = loc.len;
     uint32_t crc = 0;
     if (data_len == 0) {
         /* empty tensor: its data pointer may be NULL */
@@ -397,22 +428,17 @@ static int read_archive(rjob *job, ritem *it, scratch *s,
     else {
         for (uint64_t done = 0; done < data_len; done += CHUNK) {
             size_t n = data_len - done < CHUNK ? (size_t)(data_len - done) : CHUNK;
-            if (pread_all(fd, it->dest.data + done, n, it->offset + at + done) < 0)
+            if (dcpx_pread_all(fd, it->dest.data + done, n, it->offset + at + done) < 0)
                 return io_fail(it, "read");
             if (job->verify)
                 crc = dcpx_crc32(crc, it->dest.data + done, n);
         }
     }
-    /* A zero CRC field means "not recorded" (torch with CRC writing off). */
-    if (job->verify && data_crc != 0 && crc != data_crc) {
-        char m[160];
-        snprintf(m, sizeof(m), "CRC-32 mismatch in tensor data: recorded "
-                 "%08x, computed %08x", data_crc, crc);
-        return fail(it, RD_CRC, 0, m);
-    }
+    if (job->verify && dcpx_archive_check_crc(it, loc.crc, crc) < 0)
+        return -1;
     /* After the CRC, which is of the bytes as stored. */
-    if (swap && data_len)
-        byteswap((unsigned char *)it->dest.data, data_len, swap_unit(it, &rec));
+    if (loc.swap && data_len)
+        dcpx_byteswap((unsigned char *)it->dest.data, data_len, loc.swap);
     return 0;
 }
 
@@ -450,7 +476,7 @@ static void read_run(rjob *job, Py_ssize_t a, Py_ssize_t b, scratch *s)
             if (it->offset + it->length > end)
                 end = it->offset + it->length;
         }
-        if (pread_all(fd, s->run, end - beg, beg) == 0) {
+        if (dcpx_pread_all(fd, s->run, end - beg, beg) == 0) {
             for (Py_ssize_t k = a; k < b; k++) {
                 ritem *it = &job->items[job->order[k]];
                 if (it->code == RD_OK)

@@ -23,6 +23,12 @@
  *   job.start()   starts the threads;  job.wait() joins them (GIL released)
  *   job.cancel()  asks the threads to stop at the next chunk
  *
+ * DCPX_WRITER_NICE=N (1..19, read at job.start()): each writer thread lowers
+ * its own scheduling priority to nice N if it runs at less (Linux:
+ * setpriority on the thread's id), so that a training loop's threads win the
+ * cores an upload competes for (issue 30: the step slowdown during an
+ * upload; bench_gpu.py compares).
+ *
  * Construction runs with the GIL: tensors are taken through DLPack, every
  * archive's head and tail length is measured and the whole layout is fixed,
  * so the caller can build DCP metadata while the data is still being
@@ -54,6 +60,8 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -106,6 +114,7 @@ typedef struct {
     int has_base;
     int sync;
     int nthreads;
+    int nice;              /* DCPX_WRITER_NICE at start(), 0: unchanged */
     pthread_t *tids;
     int started;           /* threads launched (count) */
     int joined;
@@ -485,6 +494,19 @@ out:
 static void *worker(void *arg)
 {
     WriteJob *job = arg;
+#ifdef __linux__
+    /* Linux keeps a nice value per thread: this thread only, and only ever
+     * lower in priority (a process already at a higher nice keeps it).
+     * Raising the value needs no privilege; a failure changes nothing. */
+    if (job->nice > 0) {
+        id_t tid = (id_t)syscall(SYS_gettid);
+        int cur;
+        errno = 0;
+        cur = getpriority(PRIO_PROCESS, tid);
+        if (errno == 0 && job->nice > cur)
+            (void)setpriority(PRIO_PROCESS, tid, job->nice);
+    }
+#endif
     for (;;) {
         int i = atomic_fetch_add(&job->next_file, 1);
         if (i >= job->nfiles)
@@ -848,6 +870,11 @@ static PyObject *WriteJob_start(WriteJob *self, PyObject *Py_UNUSED(ignored))
     self->tids = PyMem_RawCalloc((size_t)self->nthreads, sizeof(pthread_t));
     if (self->tids == NULL)
         return PyErr_NoMemory();
+    {
+        const char *e = getenv("DCPX_WRITER_NICE");
+        int n = e != NULL ? atoi(e) : 0;
+        self->nice = n < 0 ? 0 : n > 19 ? 19 : n;
+    }
     atomic_store(&self->running, self->nthreads);
     for (int i = 0; i < self->nthreads; i++) {
         int err = pthread_create(&self->tids[i], NULL, worker, self);

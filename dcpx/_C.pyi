@@ -1,5 +1,5 @@
 """Type stub for the C extension dcpx._C (see docs/api.md, docs/design.md)."""
-from typing import Any, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 crc32_impl: str
 ALIGN: int
@@ -59,7 +59,8 @@ def prefault(tensor: Any, threads: int = 1) -> None: ...
 def stage_plain(values: list, entries: tuple, base: Any, threads: int = 1) -> bool: ...
 def copy_into(pairs: Sequence[Tuple[Any, Any]], threads: int = 1, base: Any = None) -> None: ...
 
-# The CUDA path (csrc/cuda.c, csrc/cuda_copy.c, csrc/cuda_stage.c, csrc/cuda_load.c, csrc/gate.c; docs/design.md, "CUDA path").
+# The CUDA path (csrc/cuda.c, csrc/cuda_copy.c, csrc/cuda_stage.c, csrc/cuda_load.c,
+# csrc/cuda_pipeline.c, csrc/gate.c; docs/design.md, "CUDA path").
 class CudaError(RuntimeError):
     code: int
 
@@ -83,6 +84,18 @@ def cuda_copy_from_host(
     wait: bool = True,
 ) -> Any: ...  # None, or with wait=False a handle for cuda_wait
 def cuda_wait(pending: Any, /) -> None: ...
+def cuda_load_pipeline(
+    paths: Sequence[str],
+    # (file, offset, length, storage_type, shape, itemsize, dst, lo, key[, alloc_key])
+    items: Sequence[Tuple[Any, ...]],
+    ring: Any,
+    consumer_streams: Sequence[Tuple[int, int]] = (),
+    threads: int = 4,
+    verify: bool = True,
+    slot_bytes: int = 4 << 20,
+) -> Tuple[List[Tuple[int, int, int, str]], Dict[str, Any]]: ...  # (failures, stats)
+def cuda_copy_stats() -> Dict[str, Any]: ...
+def cuda_batch_copies(enabled: Optional[bool] = None, /) -> Optional[str]: ...
 
 class WriteJob:
     def __init__(

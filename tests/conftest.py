@@ -315,3 +315,54 @@ def pid_gone(pid: int, timeout: float = 0.0) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------
+# The stand-in CUDA driver (tests/fake_cuda/fake_libcuda.c, tests/cuda_standin.py)
+# for the tests of dcpx's C CUDA path without a GPU: one library per test
+# session, shared by every test module (dcpx loads the driver once).
+
+@pytest.fixture(scope="session")
+def standin_path(tmp_path_factory):
+    from cuda_standin import build
+    return build(tmp_path_factory.mktemp("fakecuda"))
+
+
+@pytest.fixture(scope="session")
+def fake(standin_path):
+    """The stand-in, loaded by dcpx and by the tests (one instance).
+    Batched copies (the stand-in's driver version is 12.8) are switched
+    off here: the tests of the one-call-per-copy path count those calls;
+    the ``batched`` fixture switches them on."""
+    from cuda_standin import Device, load
+
+    from dcpx import _C
+    os.environ["DCPX_LIBCUDA"] = str(standin_path)
+    os.environ.setdefault("FAKE_CUDA_DEVICES", "2")
+    lib = load(standin_path)
+    assert lib.cuInit(0) == 0
+    version, ndev = _C.cuda_driver_version()
+    assert (version, ndev) == (12080, 2)
+    assert _C.cuda_batch_copies(False) is None
+    lib.devices = [Device(lib, 0), Device(lib, 1)]
+    return lib
+
+
+@pytest.fixture
+def lib(fake):
+    fake.fake_reset()
+    live = fake.fake_dlpack_live()
+    yield fake
+    fake.fake_reset()
+    for d in fake.devices:
+        d.synchronize()
+    assert fake.fake_dlpack_live() == live, "a DLPack deleter was not called exactly once"
+
+
+@pytest.fixture
+def batched(lib):
+    """Batched copies on (cuMemcpyBatchAsync, the 12.8 ABI) for one test."""
+    from dcpx import _C
+    assert _C.cuda_batch_copies(True) == "cuMemcpyBatchAsync"
+    yield lib
+    _C.cuda_batch_copies(False)

@@ -25,13 +25,22 @@ INVALID_VALUE, OUT_OF_MEMORY, NOT_INITIALIZED = 1, 2, 3
 INVALID_DEVICE, INVALID_CONTEXT, ILLEGAL_ADDRESS = 101, 201, 700
 
 
+_built: "Path | None" = None
+
+
 def build(out_dir: Path) -> Path:
+    """Compile the stand-in into out_dir, once per process (dcpx loads the
+    driver once: every test module must get the same library)."""
+    global _built
+    if _built is not None:
+        return _built
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler to build the stand-in CUDA driver")
     out = out_dir / "libfakecuda.so"
     subprocess.run([cc, "-shared", "-fPIC", "-O1", "-g", "-Wall", "-Wextra", "-Werror",
                     "-pthread", "-o", str(out), str(SRC)], check=True)
+    _built = out
     return out
 
 
@@ -52,8 +61,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.fake_hold_after.argtypes = [c_long]
     lib.fake_calls.argtypes = [ctypes.c_char_p]
     for name in ("fake_calls", "fake_total_calls", "fake_violations", "fake_copies_queued",
-                 "fake_copies_run", "fake_dlpack_live"):
+                 "fake_copies_run", "fake_dlpack_live", "fake_reuse_violations",
+                 "fake_log_len"):
         getattr(lib, name).restype = c_long
+    lib.fake_log_get.argtypes = [c_long, ctypes.POINTER(LogEntry)]
     lib.fake_dlpack.restype = c_void_p
     lib.fake_dlpack.argtypes = [c_void_p, c_int, c_int, ctypes.POINTER(ctypes.c_int64),
                                 ctypes.POINTER(ctypes.c_int64), c_int, c_int]
@@ -68,6 +79,29 @@ def load(path: Path) -> ctypes.CDLL:
     lib.cuStreamWaitEvent.argtypes = [c_void_p, c_void_p, ctypes.c_uint]
     lib.fake_fail.argtypes = [ctypes.c_char_p, c_long, c_int]
     return lib
+
+
+class LogEntry(ctypes.Structure):
+    """One entry of the stand-in's call log (fake_libcuda.c, log_entry)."""
+    _fields_ = [("kind", c_long), ("stream", c_void_p), ("host", c_void_p),
+                ("dptr", ctypes.c_ulonglong), ("n", c_size_t), ("event", c_void_p),
+                ("batch", c_long)]
+
+
+LOG_KINDS = {1: "htod", 2: "dtoh", 3: "batch", 4: "record", 5: "evsync", 6: "wait"}
+
+
+def call_log(lib: ctypes.CDLL) -> list:
+    """The stand-in's call log since its last fake_reset, as dicts:
+    kind ('htod', 'dtoh', 'batch', 'record', 'evsync', 'wait'), stream,
+    host, dptr, n, event, batch (a copy's batch number, or 0)."""
+    out, e = [], LogEntry()
+    for i in range(lib.fake_log_len()):
+        if lib.fake_log_get(i, ctypes.byref(e)) != 0:
+            break
+        out.append({"kind": LOG_KINDS[e.kind], "stream": e.stream, "host": e.host,
+                    "dptr": e.dptr, "n": e.n, "event": e.event, "batch": e.batch})
+    return out
 
 
 def check(rc: int, what: str) -> None:

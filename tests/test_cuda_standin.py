@@ -1,5 +1,5 @@
 """dcpx's C CUDA path (csrc/cuda.c, csrc/cuda_stage.c, csrc/cuda_load.c) against a stand-in
-driver (tests/fake_cuda/fake_libcuda.c, built here with the C compiler):
+driver (tests/fake_cuda/fake_libcuda.c, built once per session by tests/conftest.py's fixtures):
 no GPU is needed, and none has run these paths; see docs/design.md, "CUDA
 path".
 
@@ -37,38 +37,9 @@ import torch
 from dcpx import _C
 
 from cuda_standin import (ILLEGAL_ADDRESS, INVALID_CONTEXT, INVALID_VALUE, OUT_OF_MEMORY,
-                          Device, FakeCudaTensor, build, load)
+                          FakeCudaTensor)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def standin_path(tmp_path_factory) -> Path:
-    return build(tmp_path_factory.mktemp("fakecuda"))
-
-
-@pytest.fixture(scope="session")
-def fake(standin_path):
-    """The stand-in, loaded by dcpx and by the tests (one instance)."""
-    os.environ["DCPX_LIBCUDA"] = str(standin_path)
-    os.environ.setdefault("FAKE_CUDA_DEVICES", "2")
-    lib = load(standin_path)
-    assert lib.cuInit(0) == 0
-    version, ndev = _C.cuda_driver_version()
-    assert (version, ndev) == (12080, 2)
-    lib.devices = [Device(lib, 0), Device(lib, 1)]
-    return lib
-
-
-@pytest.fixture
-def lib(fake):
-    fake.fake_reset()
-    live = fake.fake_dlpack_live()
-    yield fake
-    fake.fake_reset()
-    for d in fake.devices:
-        d.synchronize()
-    assert fake.fake_dlpack_live() == live, "a DLPack deleter was not called exactly once"
 
 
 def _buffer(n: int) -> torch.Tensor:
@@ -567,6 +538,7 @@ def test_cuda_min_h_matches_the_toolkit(tmp_path):
         _Static_assert(CUDA_ERROR_NO_DEVICE == 100, "");
         _Static_assert(CUDA_ERROR_INVALID_DEVICE == 101, "");
         _Static_assert(CUDA_ERROR_NOT_READY == 600, "");
+        _Static_assert(CUDA_ERROR_NOT_SUPPORTED == 801, "");
         _Static_assert(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED == 712, "");
         _Static_assert(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED == 713, "");
         _Static_assert(CU_STREAM_NON_BLOCKING == 0x1, "");
@@ -727,7 +699,8 @@ def test_the_cuda_sources_compile_with_and_without_the_toolkit(with_toolkit):
              "-I", sysconfig.get_paths()["include"]]
     if with_toolkit:
         flags += ["-DDCPX_HAVE_CUDA_H", "-I", _toolkit_include()]
-    for src in ("cuda.c", "cuda_copy.c", "cuda_stage.c", "cuda_load.c", "gate.c", "module.c"):
+    for src in ("cuda.c", "cuda_copy.c", "cuda_stage.c", "cuda_load.c", "cuda_pipeline.c",
+                "gate.c", "module.c"):
         r = subprocess.run(["cc", *flags, str(REPO / "csrc" / src)], capture_output=True, text=True)
         assert r.returncode == 0, (src, r.stderr)
 
@@ -926,15 +899,16 @@ class _CudaTarget(_TorchLike):
 
 @pytest.fixture
 def reader_cuda(lib, monkeypatch):
-    """dcpx.storage.reader with a small page-locked load buffer (so that loads
-    span several batches and one chunk exceeds it) and the stand-in's
-    device streams as torch's current streams."""
+    """dcpx.storage.reader with a small page-locked load ring (4 slots of 16 KiB,
+    so that loads take several slots and one chunk is read in pieces) and
+    the stand-in's device streams as torch's current streams."""
     from types import SimpleNamespace
 
     from dcpx.storage import reader as filesystem
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda dev: SimpleNamespace(cuda_stream=lib.devices[dev.index].stream))
-    monkeypatch.setattr(filesystem, "_PINNED_LOAD", 16384)
+    monkeypatch.setattr(filesystem, "_PINNED_LOAD", 65536)
+    monkeypatch.setattr(filesystem, "_SLOT", 16384)
     monkeypatch.setattr(filesystem, "_pinned_buffer", None)
     yield filesystem
     if filesystem._pinned_buffer is not None:
@@ -946,7 +920,7 @@ def _saved(tmp_path):
     g = torch.Generator().manual_seed(3)
     sd = {"emb": torch.randn(40, 30, generator=g),                   # 4800 B
           "w": torch.randn(1000, generator=g, dtype=torch.float64),  # 8000 B
-          "big": torch.randint(0, 255, (20000,), dtype=torch.uint8, generator=g),  # > buffer
+          "big": torch.randint(0, 255, (20000,), dtype=torch.uint8, generator=g),  # > a slot
           "h": torch.randn(7, 3, generator=g).to(torch.bfloat16),
           "empty": torch.empty(0, 5),
           "b": torch.tensor([True, False, True])}
@@ -976,10 +950,10 @@ def _raw(t: torch.Tensor) -> bytes:
 
 def test_loads_into_cuda_tensors_go_through_one_reused_pinned_buffer(reader_cuda, lib, tmp_path):
     """FileSystemReader.read_tensors: CUDA destinations of the saved dtype
-    and shape are read into the page-locked load buffer and copied to the
-    device by the C path, bit exact, ordered after the current streams'
-    pending kernels; the buffer is pinned once and reused by every load,
-    and a chunk larger than it goes through a pageable temporary."""
+    and shape are read into the page-locked load ring and copied to the
+    device by the C pipeline, bit exact, ordered after the current streams'
+    pending kernels; the ring is pinned once and reused by every load, and
+    a chunk larger than a slot is read and copied in pieces."""
     sd, path = _saved(tmp_path)
     lib.fake_set_delay(b"fill", 10_000)
     registered = lib.fake_registered()
@@ -995,18 +969,20 @@ def test_loads_into_cuda_tensors_go_through_one_reused_pinned_buffer(reader_cuda
     assert lib.fake_violations() == 0
     assert lib.fake_calls(b"cuMemHostRegister_v2") == 1
     assert lib.fake_registered() == registered + 1
-    assert reader_cuda._pinned_buffer.numel() == 16384
-    # 5 non-empty tensors a round: each copied once, from the buffer or
-    # from the large chunk's temporary.
-    assert lib.fake_calls(b"cuMemcpyHtoDAsync_v2") == 3 * 5
+    assert reader_cuda._pinned_buffer.numel() == 65536
+    # 5 non-empty tensors a round: each copied once from its slot, "big"
+    # (20,000 bytes) in two pieces of a 16 KiB slot.
+    assert lib.fake_calls(b"cuMemcpyHtoDAsync_v2") == 3 * 6
+    assert reader.cuda_load_stats["pipeline"] == 6
+    assert reader.cuda_load_stats["pipeline_stats"]["pieces"] == 2
+    assert lib.fake_reuse_violations() == 0
 
 
 def test_a_load_failure_names_the_key_and_the_next_load_works(reader_cuda, lib, tmp_path):
     sd, path = _saved(tmp_path)
     reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(0,))
-    # Copies in read order: "big" alone (larger than the buffer), then the
-    # batch "emb", "w", ...
-    lib.fake_fail(b"cuMemcpyHtoDAsync_v2", 3, OUT_OF_MEMORY)
+    reader._pipeline_threads = 1  # copies in file order: "emb", "w", "big" ...
+    lib.fake_fail(b"cuMemcpyHtoDAsync_v2", 2, OUT_OF_MEMORY)
     with pytest.raises(_C.CudaError, match="cuMemcpyHtoDAsync for tensor 'w' on device 0"):
         reader.read_tensors(reads)
     assert lib.fake_copies_run() == lib.fake_copies_queued()
@@ -1150,137 +1126,6 @@ def test_a_pending_load_is_waited_for_once_and_a_dropped_one_still_waits(lib):
         _C.cuda_wait(object.__new__(object))
     for t in ts:
         t.free()
-
-
-def _saved_many(tmp_path, sizes, seed=5):
-    import dcpx
-    g = torch.Generator().manual_seed(seed)
-    sd = {f"t{i:02d}": torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
-          for i, n in enumerate(sizes)}
-    dcpx.save(sd, checkpoint_id=str(tmp_path / "ckpt"))
-    return sd, tmp_path / "ckpt"
-
-
-def _spy_reads(monkeypatch, reader, lib, on_call):
-    """Wrap reader._read_batch: on_call(n, queued, run) before the n-th read."""
-    orig = reader._read_batch
-    count = [0]
-
-    def spy(direct, staged):
-        count[0] += 1
-        on_call(count[0], lib.fake_copies_queued(), lib.fake_copies_run())
-        return orig(direct, staged)
-
-    monkeypatch.setattr(reader, "_read_batch", spy)
-
-
-def test_a_load_reads_the_next_batch_while_the_previous_batchs_copies_run(
-        reader_cuda, lib, tmp_path, monkeypatch):
-    """With every copy held back by the stand-in, the second batch is read
-    while the first batch's copy has not run: reading and copying overlap.
-    (Without the overlap the load would wait for the held copy; the timer
-    only bounds how long such a failure takes.)"""
-    sd, path = _saved_many(tmp_path, [6000] * 5)  # one per 8 KiB half
-    reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(0,))
-    seen = []
-
-    def on_call(n, queued, run):
-        seen.append((queued, run))
-        if n == 2:
-            lib.fake_hold_copies(0)
-
-    _spy_reads(monkeypatch, reader, lib, on_call)
-    lib.fake_hold_copies(1)
-    safety = threading.Timer(30, lib.fake_hold_copies, (0,))
-    safety.start()
-    try:
-        reader.read_tensors(reads)
-    finally:
-        safety.cancel()
-    assert seen[:2] == [(0, 0), (1, 0)], seen
-    assert len(seen) == 5
-    for key, v in sd.items():
-        assert targets[key].read() == _raw(v), key
-        targets[key].free()
-    assert lib.fake_copies_run() == lib.fake_copies_queued() == 5
-    assert lib.fake_violations() == 0
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_a_half_is_never_read_into_before_its_copies_completed(reader_cuda, lib, tmp_path,
-                                                                 seed):
-    """Random sizes (some larger than a half, one larger than the buffer)
-    and random copy delays: a half overwritten while its copy is pending
-    would put the next batch's bytes on the device.  Bit exact every time."""
-    rng = random.Random(seed)
-    sizes = [rng.choice([rng.randint(1, 3000), rng.randint(3000, 8192),
-                         rng.randint(8193, 16384)]) for _ in range(24)] + [20000]
-    rng.shuffle(sizes)
-    sd, path = _saved_many(tmp_path, sizes, seed=seed)
-    lib.fake_set_delay(b"copy_jitter", 3_000)
-    for _ in range(2):
-        reader, reads, targets = _reads(reader_cuda, path, lib, sd)
-        reader.read_tensors(reads)
-        for key, v in sd.items():
-            assert targets[key].read() == _raw(v), key
-            targets[key].free()
-    assert lib.fake_copies_run() == lib.fake_copies_queued() == 2 * len(sizes)
-    assert lib.fake_violations() == 0
-
-
-def test_a_read_error_while_a_copy_runs_is_named_and_the_copy_drained(reader_cuda, lib,
-                                                                       tmp_path, monkeypatch):
-    from dcpx.errors import CorruptCheckpointError
-    sd, path = _saved_many(tmp_path, [6000] * 3)
-    reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(0,))
-    r = next(r for r in reads if r.key == "t01")
-    f = path / r.info.relative_path
-    raw = bytearray(f.read_bytes())
-    at = raw.find(_raw(sd["t01"]), r.info.offset)
-    raw[at + 10] ^= 0xFF
-    f.write_bytes(bytes(raw))
-    seen = []
-
-    def on_call(n, queued, run):
-        seen.append((queued, run))
-        if n == 2:
-            lib.fake_hold_copies(0)
-
-    _spy_reads(monkeypatch, reader, lib, on_call)
-    lib.fake_hold_copies(1)
-    lib.fake_set_delay(b"copy", 20_000)
-    with pytest.raises(CorruptCheckpointError, match="'t01'"):
-        reader.read_tensors(reads)
-    assert seen == [(0, 0), (1, 0)]  # the first copy was pending at the failed read
-    assert lib.fake_copies_run() == lib.fake_copies_queued() == 1
-    assert targets["t00"].read() == _raw(sd["t00"])
-    for ft in targets.values():
-        ft.free()
-
-
-@pytest.mark.parametrize("how", ["async", "queue"])
-def test_a_copy_error_of_an_earlier_batch_is_named_and_nothing_left_running(
-        reader_cuda, lib, tmp_path, how):
-    """An asynchronous failure of the first batch's copy (reported when its
-    half is next needed) or a failure queueing the second batch's copy:
-    CudaError naming the key, no copy left running, the next load works."""
-    sd, path = _saved_many(tmp_path, [6000] * 4)
-    reader, reads, targets = _reads(reader_cuda, path, lib, sd, devs=(1,))
-    lib.fake_set_delay(b"copy", 5_000)
-    if how == "async":
-        lib.fake_fail_async(1, ILLEGAL_ADDRESS)
-        match = r"cuEventSynchronize \(host-to-device copies\) on device 1 \(tensors 't00'\)"
-    else:
-        lib.fake_fail(b"cuMemcpyHtoDAsync_v2", 2, OUT_OF_MEMORY)
-        match = "cuMemcpyHtoDAsync for tensor 't01' on device 1"
-    with pytest.raises(_C.CudaError, match=match):
-        reader.read_tensors(reads)
-    assert lib.fake_copies_run() == lib.fake_copies_queued()
-    lib.fake_reset()
-    reader.read_tensors(reads)
-    for key, v in sd.items():
-        assert targets[key].read() == _raw(v), key
-        targets[key].free()
 
 
 # --------------------------------------------------------------------------

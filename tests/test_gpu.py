@@ -23,7 +23,13 @@ stand-in of tests/test_cuda_standin.py):
    driver call, the parent goes on using CUDA;
 8. the manager's node-local tier (docs/tiers.md) on CUDA tensors: local
    pieces, the persistent step assembled from them, resume into CUDA
-   tensors, torch DCP reading the persistent step.
+   tensors, torch DCP reading the persistent step;
+9. the load pipeline (issue 30): pieces, runs and ring reuse bit exact
+   after a pending kernel, every read through it; resharding reads of one
+   byte range through it, column slices, casts and transposed destinations
+   through torch's copy_, each reason counted; the batched-copy entry point
+   the driver's version calls for; 3,000 small tensors staged and loaded in
+   a few batched calls, and one call each without them.
 """
 from __future__ import annotations
 
@@ -398,3 +404,125 @@ def test_the_node_local_tier_with_cuda_tensors(tmp_path):
     tdcp.load(tout, checkpoint_id=str(tmp_path / "root" / "step-2"))
     assert_same(tout["w"], sd(2)["w"], "torch w")
     assert tout["step"] == 2
+
+
+# --------------------------------------------------------------------------
+# 9. the load pipeline (csrc/cuda_pipeline.c) and batched copies (issue 30)
+
+
+def _reader_load(out: dict, ck) -> dcpx.FileSystemReader:
+    reader = dcpx.FileSystemReader(ck)
+    dcpx.load(out, storage_reader=reader)
+    torch.cuda.synchronize()
+    return reader
+
+
+def test_loads_into_cuda_tensors_go_through_the_pipeline_and_say_so(tmp_path):
+    """Tensors longer than a slot (pieces), small ones (runs), 200 MB (more
+    than the 64 MiB ring: slots reused), several dtypes: bit exact, after a
+    pending kernel on the current stream writing the destinations, every
+    read through the pipeline."""
+    gen = torch.Generator(device="cuda").manual_seed(30)
+    sd = {"big": torch.randint(-2**31, 2**31 - 1, (50 << 20,), dtype=torch.int32,
+                               device="cuda", generator=gen),
+          "mid": torch.randn(3 << 20, device="cuda", generator=gen),
+          "bf": torch.randn(999, 7, device="cuda", generator=gen).bfloat16(),
+          **{f"s{i}": torch.randn(13 + i, device="cuda", generator=gen) for i in range(50)}}
+    ck = tmp_path / "c"
+    dcpx.save(sd, checkpoint_id=ck)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    torch.cuda._sleep(50_000_000)
+    for v in out.values():
+        v.fill_(7)  # pending on the current stream when the load starts
+    reader = _reader_load(out, ck)
+    for k, v in sd.items():
+        assert torch.equal(out[k], v), k
+    st = reader.cuda_load_stats
+    assert st["pipeline"] == len(sd) and "torch_copy" not in st, st
+    ps = st["pipeline_stats"]
+    assert ps["pieces"] > 50 and ps["slot_reuses"] > 0 and ps["pinned"], ps
+    assert _C.cuda_registered()[0] >= 1
+
+
+def test_resharding_casts_and_non_contiguous_destinations_load_bit_exact(tmp_path):
+    """A part of a saved chunk that is one byte range goes through the
+    pipeline; a column slice, a cast and a transposed destination through
+    torch's copy_; the stats name each reason."""
+    from dcpx.storage.reader import _TensorRead
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    sd = {"rows": torch.randn(4096, 256, device="cuda", generator=gen),
+          "cols": torch.randn(64, 32, device="cuda", generator=gen),
+          "cast": torch.randn(1000, device="cuda", generator=gen),
+          "t": torch.randn(48, 64, device="cuda", generator=gen)}
+    ck = tmp_path / "c"
+    dcpx.save(sd, checkpoint_id=ck)
+    reader = dcpx.FileSystemReader(ck)
+    md = reader.read_metadata()
+    reader.set_up_storage_reader(md, True)
+    info = {k.fqn: v for k, v in md.storage_data.items()}
+    rows = torch.zeros(1000, 256, device="cuda")
+    cols = torch.zeros(64, 10, device="cuda")
+    cast = torch.zeros(1000, dtype=torch.float64, device="cuda")
+    t = torch.zeros(64, 48, device="cuda").t()
+    reader.read_tensors([
+        _TensorRead("rows", info["rows"], sd["rows"].shape, torch.float32, rows,
+                    ((3000, 0), (1000, 256))),
+        _TensorRead("cols", info["cols"], sd["cols"].shape, torch.float32, cols,
+                    ((0, 20), (64, 10))),
+        _TensorRead("cast", info["cast"], sd["cast"].shape, torch.float32, cast, None),
+        _TensorRead("t", info["t"], sd["t"].shape, torch.float32, t, None)])
+    torch.cuda.synchronize()
+    assert torch.equal(rows, sd["rows"][3000:4000])
+    assert torch.equal(cols, sd["cols"][:, 20:30])
+    assert torch.equal(cast, sd["cast"].double())
+    assert torch.equal(t, sd["t"])
+    st = reader.cuda_load_stats
+    assert st["pipeline"] == 1 and st["torch_copy"] == 3
+    assert st["torch_copy_reasons"] == {"part of the chunk not one byte range": 1,
+                                        "dtype cast": 1, "non-contiguous destination": 1}
+
+
+def test_the_batch_entry_point_follows_the_driver_version():
+    version, _ = _C.cuda_driver_version()
+    api = _C.cuda_batch_copies()
+    want = ("cuMemcpyBatchAsync_v2" if version >= 13000 else
+            "cuMemcpyBatchAsync" if version >= 12080 else None)
+    assert api == want, (version, api)
+    assert _C.cuda_copy_stats()["batch_api"] == want
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "per-copy"])
+def test_many_small_tensors_stage_and_load_in_few_calls(tmp_path, batched):
+    """3,000 small tensors staged and loaded: bit exact both ways; with
+    batched copies (where the driver has them) a few calls, else one per
+    tensor."""
+    api = _C.cuda_batch_copies()
+    if batched and api is None:
+        pytest.skip("this driver has no cuMemcpyBatchAsync (CUDA < 12.8)")
+    gen = torch.Generator(device="cuda").manual_seed(32)
+    sd = {f"p{i}": torch.randn(64 + i % 97, device="cuda", generator=gen) for i in range(3000)}
+    _C.cuda_batch_copies(batched)
+    try:
+        before = _C.cuda_copy_stats()
+        with dcpx.DefaultStager(dcpx.StagingOptions(True, False, False, True)) as stager:
+            staged = stager.stage(sd)
+            for k, v in sd.items():
+                assert torch.equal(staged[k], v.cpu()), k
+            mid = _C.cuda_copy_stats()
+            dcpx.save(staged, checkpoint_id=tmp_path / "c")
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        reader = _reader_load(out, tmp_path / "c")
+        after = _C.cuda_copy_stats()
+    finally:
+        _C.cuda_batch_copies(True)
+    for k, v in sd.items():
+        assert torch.equal(out[k], v), k
+    ps = reader.cuda_load_stats["pipeline_stats"]
+    if batched:
+        assert 1 <= mid["batch_dtoh_calls"] - before["batch_dtoh_calls"] <= 10
+        assert mid["dtoh_calls"] - before["dtoh_calls"] <= 5
+        assert 1 <= ps["batch_calls"] <= 50 and ps["batched_copies"] == 3000, ps
+    else:
+        assert mid["batch_dtoh_calls"] == before["batch_dtoh_calls"]
+        assert ps["batch_calls"] == 0 and ps["htod_calls"] == 3000, ps
+    assert after["batch_api"] == api

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Union
@@ -88,11 +89,32 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _lower_priority() -> None:
+    """DCPX_WRITER_NICE=N (1..19): this thread (the upload thread) at nice
+    N if it runs at less, as the C writer threads put themselves
+    (csrc/writer.c): a training loop's threads then win the cores the upload
+    competes for.  Linux keeps a nice value per thread; raising it needs no
+    privilege, lowering it again does (so it stays: later uploads run at
+    the highest value asked).  Never raises."""
+    try:
+        n = min(int(os.environ.get("DCPX_WRITER_NICE", "0")), 19)
+    except ValueError:
+        return
+    if n > 0 and sys.platform.startswith("linux"):
+        try:
+            tid = threading.get_native_id()
+            if n > os.getpriority(os.PRIO_PROCESS, tid):
+                os.setpriority(os.PRIO_PROCESS, tid, n)
+        except OSError:
+            pass
+
+
 def _upload(staged: Any, stager: Any, writer, planner, process_group, no_dist,
             use_collectives):
     """Write and commit one staged state dict (runs on the upload thread).
     With a process group, ``process_group`` is the save's ticket for
     async_save's own group (``_dist.async_group``)."""
+    _lower_priority()
     if isinstance(process_group, _dist.AsyncTicket):
         with process_group.turn() as pg:
             return _upload(staged, stager, writer, planner, pg, no_dist, use_collectives)

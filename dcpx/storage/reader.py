@@ -121,28 +121,63 @@ class _TensorRead(NamedTuple):
     narrow: Optional[tuple]    # (storage_offsets, lengths) within the chunk
 
 
-def _reads_to_device(r: _TensorRead) -> bool:
-    """Whether r's chunk can go to its CUDA target by the C load path
-    (csrc/cuda_load.c): a contiguous CUDA tensor of the saved shape and
-    dtype.  Casting or narrowing reads keep the temporary + ``copy_``."""
+def _byte_window(chunk: Sequence[int], offsets: Sequence[int], lengths: Sequence[int],
+                 itemsize: int) -> Optional[tuple]:
+    """``(lo, n)``: the bytes of the chunk's row-major image that the part
+    ``[offsets, offsets + lengths)`` occupies, when they are one range (the
+    trailing dimensions whole, the leading ones of length 1 but one); else
+    None."""
+    k = len(chunk) - 1
+    while k >= 0 and offsets[k] == 0 and lengths[k] == chunk[k]:
+        k -= 1
+    if any(lengths[d] != 1 for d in range(k)):
+        return None
+    lo, stride, n = 0, itemsize, itemsize
+    for d in range(len(chunk) - 1, -1, -1):
+        lo += offsets[d] * stride
+        stride *= chunk[d]
+        n *= lengths[d]
+    return lo, n
+
+
+def _pipeline_refusal(r: _TensorRead) -> Optional[str]:
+    """Why r cannot go to its CUDA target through the C load pipeline
+    (csrc/cuda_pipeline.c), or None: the target must be a contiguous CUDA
+    tensor of the saved dtype without a conj / neg bit, and what it takes
+    of the saved chunk one range of its bytes (the whole chunk, or a part
+    narrowed along the leading dimensions: a resharding read).  Refused
+    reads keep the host temporary + ``target.copy_``."""
     t = r.target
-    return (r.narrow is None and t.dtype == r.dtype and t.shape == r.chunk
-            and t.device.type == "cuda" and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg())
+    if getattr(r.info, "transform_descriptors", None):
+        return "compressed record"
+    if t.dtype != r.dtype:
+        return "dtype cast"
+    if t.is_conj() or t.is_neg():
+        return "conj/neg view"
+    if not t.is_contiguous():
+        return "non-contiguous destination"
+    if r.narrow is None:
+        return None if t.shape == r.chunk else "shape differs"
+    if _byte_window(r.chunk, *r.narrow, 1) is None:
+        return "part of the chunk not one byte range"
+    return None
 
 
-#: bytes of the page-locked host buffer that loads into CUDA tensors read
-#: through (one per process, page-locked once and reused by every load); a
-#: chunk larger than this is read into a pageable temporary of its own
+#: bytes of the page-locked host ring that loads into CUDA tensors read
+#: through (one per process, page-locked once and reused by every load;
+#: csrc/cuda_pipeline.c cuts it into slots)
 _PINNED_LOAD = 64 << 20
+#: bytes of one slot of the ring (at most; a quarter of a smaller ring)
+_SLOT = 4 << 20
 _pinned_lock = threading.Lock()
 _pinned_buffer: Optional[torch.Tensor] = None
 
 
 def _pinned_load_buffer() -> torch.Tensor:
-    """The process's load bounce buffer (_pinned_lock held), page-locked by
-    the C CUDA path at first use; a refusal warns and leaves it pageable.
-    Unregistered at interpreter exit (``_C.cuda_release_all``)."""
+    """The process's load ring (_pinned_lock held), page-locked by the C
+    CUDA path at first use; a refusal warns and leaves it pageable (the
+    copies then wait for the driver's own staging).  Unregistered at
+    interpreter exit (``_C.cuda_release_all``)."""
     global _pinned_buffer
     if _pinned_buffer is None:
         buf = torch.empty(_PINNED_LOAD, dtype=torch.uint8)
@@ -153,6 +188,19 @@ def _pinned_load_buffer() -> torch.Tensor:
                           stacklevel=_values._outside_dcpx())
         _pinned_buffer = buf
     return _pinned_buffer
+
+
+def _slot_bytes() -> int:
+    return max(4096, min(_SLOT, _PINNED_LOAD // 4 // 64 * 64))
+
+
+def _add_stats(into: dict, stats: dict) -> None:
+    for k, v in stats.items():
+        if isinstance(v, int) and not isinstance(v, bool) and k not in (
+                "threads", "slots", "slot_bytes", "devices"):
+            into[k] = into.get(k, 0) + v
+        else:
+            into[k] = v
 
 
 def _reads_in_place(r: _TensorRead) -> bool:
@@ -168,7 +216,8 @@ class FileSystemReader(StorageReader):
     """Drop-in for ``torch.distributed.checkpoint.FileSystemReader``.
 
     Extra keyword arguments (dcpx's own):
-      ``thread_count``: C reader threads (default: up to 4 of the CPUs).
+      ``thread_count``: C reader threads (default: up to 4 of the CPUs; for
+        loads into CUDA tensors, the load pipeline's, up to 8).
       ``verify``: check each tensor record's CRC-32 (default True).
       ``allow_pickle``: load non-tensor values with full pickle instead of
         torch's ``weights_only`` allow-list (default False: a checkpoint can
@@ -182,6 +231,13 @@ class FileSystemReader(StorageReader):
         self._lazy: Any = None  # a dcpx.coordination.readplan.Checkpoint set up for, not yet decoded
         self.path = local_path(path)
         self.thread_count = thread_count or min(4, os.cpu_count() or 1)
+        # the CUDA load pipeline's readers: as given, else up to 8
+        self._pipeline_threads = thread_count or min(8, os.cpu_count() or 1)
+        #: what loads into CUDA tensors did through this reader (summed over
+        #: its loads): tensors and bytes through the pipeline, tensors
+        #: through a host temporary and torch's copy_ with the reasons, and
+        #: the pipeline's own counts (csrc/cuda_pipeline.c)
+        self.cuda_load_stats: dict = {}
         self.verify = verify
         self.allow_pickle = allow_pickle
         # torch's ExtensionRegistry (stream transforms: dcpx.formats.transforms)
@@ -532,8 +588,8 @@ class FileSystemReader(StorageReader):
         memory when it is contiguous host memory of the saved shape and dtype,
         else through a temporary of the saved chunk (saved dtype), then
         ``target.copy_(chunk narrowed)``: torch's own read_data step, which
-        also casts to the target's dtype.  A contiguous CUDA target of the
-        saved shape and dtype goes through the page-locked load buffer and
+        also casts to the target's dtype.  A CUDA target the load pipeline
+        takes (``_pipeline_refusal``) goes through the page-locked ring and
         dcpx's stream instead (``_read_to_devices``).  Temporaries are held for at most
         ``_TEMP_BUDGET`` bytes of chunks at a time (or one chunk if larger)."""
         direct, staged, device = [], [], []
@@ -542,8 +598,13 @@ class FileSystemReader(StorageReader):
                 check_castable(r.key, r.dtype, r.target)
             if _reads_in_place(r):
                 direct.append(r)
-            elif _reads_to_device(r):
-                device.append(r)
+            elif r.target.device.type == "cuda":
+                why = _pipeline_refusal(r)
+                if why is None:
+                    device.append(r)
+                else:
+                    self._count_torch_copy(why)
+                    staged.append(r)
             else:
                 staged.append(r)
         if device:
@@ -560,83 +621,76 @@ class FileSystemReader(StorageReader):
         if direct or batch:
             self._read_batch(direct, batch)
 
+    def _count_torch_copy(self, why: str) -> None:
+        st = self.cuda_load_stats
+        st["torch_copy"] = st.get("torch_copy", 0) + 1
+        reasons = st.setdefault("torch_copy_reasons", {})
+        reasons[why] = reasons.get(why, 0) + 1
+
     def _read_to_devices(self, reads: Sequence[_TensorRead]) -> None:
-        """Reads into contiguous CUDA tensors of the saved dtype and shape:
-        the C readers read each chunk into the process's page-locked load
-        buffer (``_PINNED_LOAD`` bytes, one load at a time), then
-        ``_C.cuda_copy_from_host`` copies it to the device on dcpx's own
-        stream, after the work queued so far on each device's current
-        stream and before that stream's later work (events).  The buffer
-        is used as two halves: while one half's copies run, the next batch
-        is read into the other; before a half is read into again, its
-        copies are waited for (``_C.cuda_wait``).  A chunk larger than a
-        half goes through the whole buffer once both halves are idle, one
-        larger than the buffer through a pageable temporary of its own."""
-        def copy(batch: list, wait: bool) -> Any:
-            # The host slices are the reads' targets: contiguous CPU, same
-            # dtype and shape, so _read_batch reads straight into them (and
-            # handles torch-only records and errors, naming the key).
-            self._read_batch([r._replace(target=h) for r, h in batch], [])
-            pairs = []
-            for r, h in batch:
-                t = dlpack_view(r.target)
-                if _TO_DLPACK is not None and type(t) is torch.Tensor:
-                    t = _TO_DLPACK(t)
-                pairs.append((t, dlpack_view(h), r.key))
-            consumers = [(dev.index, torch.cuda.current_stream(dev).cuda_stream)
-                         for dev in {r.target.device for r, _ in batch}]
-            return _C.cuda_copy_from_host(pairs, consumer_streams=consumers, wait=wait)
-
-        pending: list = [None, None]  # per half: its copies in flight
-
-        def idle(i: int) -> None:
-            p, pending[i] = pending[i], None
-            if p is not None:
-                _C.cuda_wait(p)
-
-        def start(i: int, batch: list) -> None:
-            idle(i)  # never read into a half whose copies still run
-            pending[i] = copy(batch, wait=False)
-
+        """Reads into CUDA tensors by the C load pipeline
+        (``_C.cuda_load_pipeline``, csrc/cuda_pipeline.c): several reader
+        threads read the archives into the slots of the process's
+        page-locked ring (``_PINNED_LOAD`` bytes, one load at a time), each
+        slot's host-to-device copies are queued on dcpx's stream as soon as
+        it is read and CRC-checked, and a slot is refilled once its event
+        says its copies are done.  dcpx's stream first waits for the work
+        queued so far on each device's current stream, which waits for the
+        copies in turn.  Records the pipeline leaves to torch.load are
+        loaded so and copied with ``copy_``."""
+        files: dict[str, int] = {}
+        items = []
+        batched = _C.cuda_batch_copies() is not None  # no allocation keys needed
+        total, stypes = 0, {}
+        for r in reads:
+            t = r.target
+            lo, n = 0, r.chunk.numel() * r.dtype.itemsize
+            if r.narrow is not None:
+                lo, n = _byte_window(r.chunk, *r.narrow, r.dtype.itemsize)
+            total += n
+            view = dlpack_view(t)
+            dst = _TO_DLPACK(view) if _TO_DLPACK is not None and type(view) is torch.Tensor \
+                else view
+            alloc = 0
+            if not batched and type(t) is torch.Tensor:
+                alloc = t.untyped_storage().data_ptr()
+            fidx = files.setdefault(r.info.relative_path, len(files))
+            stype = stypes.get(r.dtype)
+            if stype is None:
+                stype = stypes[r.dtype] = storage_type_name(r.dtype)
+            items.append((fidx, r.info.offset, r.info.length, "" if is_raw(r.info) else stype,
+                          tuple(r.chunk), r.dtype.itemsize, dst, lo, r.key, alloc))
+        consumers = [(dev.index, torch.cuda.current_stream(dev).cuda_stream)
+                     for dev in {r.target.device for r in reads}]
         with _pinned_lock:
-            buf = _pinned_load_buffer()
-            half = _PINNED_LOAD // 2 // 64 * 64
-            halves = (buf[:half], buf[half:2 * half])
-            try:
-                cur, batch, used = 0, [], 0
-                for r in reads:
-                    size = r.chunk.numel() * r.dtype.itemsize
-                    if size > _PINNED_LOAD:
-                        copy([(r, torch.empty(r.chunk, dtype=r.dtype))], wait=True)
-                        continue
-                    if size > half:
-                        if batch:
-                            start(cur, batch)
-                            cur, batch, used = cur ^ 1, [], 0
-                        idle(cur ^ 1)
-                        idle(cur)
-                        copy([(r, buf[:size].view(r.dtype).view(r.chunk))], wait=True)
-                        continue
-                    off = -(-used // 64) * 64
-                    if off + size > half:
-                        start(cur, batch)
-                        cur, batch, off = cur ^ 1, [], 0
-                    host = halves[cur][off:off + size].view(r.dtype).view(r.chunk)
-                    batch.append((r, host))
-                    used = off + size
-                if batch:
-                    start(cur, batch)
-                idle(cur ^ 1)  # the older first: its error is the earlier one
-                idle(cur)
-            except BaseException:
-                # Nothing may still copy out of the buffer once the lock is
-                # released: wait for both halves; the first error is raised.
-                for i in (0, 1):
-                    try:
-                        idle(i)
-                    except _C.CudaError:
-                        pass
-                raise
+            ring = _pinned_load_buffer()
+            failures, stats = _C.cuda_load_pipeline(
+                [str(self.path / p) for p in files], items, ring,
+                consumer_streams=consumers, threads=self._pipeline_threads,
+                verify=self.verify, slot_bytes=_slot_bytes())
+        st = self.cuda_load_stats
+        st["pipeline"] = st.get("pipeline", 0) + len(reads)
+        st["pipeline_bytes"] = st.get("pipeline_bytes", 0) + total
+        st["pipeline_loads"] = st.get("pipeline_loads", 0) + 1
+        _add_stats(st.setdefault("pipeline_stats", {}), stats)
+        later = []
+        for i, code, err, msg in failures:
+            r = reads[i]
+            if code == 1:  # valid archive in a form the C reader leaves to torch
+                later.append(r)
+                continue
+            where = f"{self.path / r.info.relative_path}: key {r.key!r}"
+            if code == 3 and err:
+                raise OSError(err, f"dcpx: {where}: {msg}: {os.strerror(err)}",
+                              str(self.path / r.info.relative_path))
+            raise CorruptCheckpointError(f"{where}: {msg}")
+        for r in later:
+            self._count_torch_copy("torch-only record")
+            src = self._fallback_read(r)
+            if r.narrow is not None:
+                for dim, (start, length) in enumerate(zip(*r.narrow)):
+                    src = src.narrow(dim, start, length)
+            r.target.copy_(src)
 
     def _read_batch(self, direct: Sequence[_TensorRead], staged: Sequence[_TensorRead]) -> None:
         """One C read of ``direct`` reads (into their targets) and ``staged``

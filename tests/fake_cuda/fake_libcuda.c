@@ -34,6 +34,19 @@
  * fake_hold_after(n) lets n more copies start first.
  * fake_device_alloc_adjacent carves allocations back to back out of one
  * block, so a test can place two allocations next to each other.
+ * Batched copies: cuMemcpyBatchAsync (CUDA 12.8's ABI, with failIdx) and
+ * cuMemcpyBatchAsync_v2 (13.0's), each copy checked as the single ones
+ * are (a bad one fails the call, nothing queued, failIdx naming it), then
+ * queued in reverse order: a batch has no order, and a caller that put
+ * dependent copies in one batch sees the later one lose.
+ * Reuse check: a host-to-device copy remembers a checksum of its source
+ * when queued and compares it when it runs; a source changed in between
+ * (a host buffer reused before the copy out of it was done) counts in
+ * fake_reuse_violations().
+ * Call log: every copy (queued, with stream, host and device address,
+ * size, batch), event record, event synchronize and stream wait, in call
+ * order (fake_log_len, fake_log_get), so that tests can check ordering and
+ * reuse.
  * Environment: FAKE_CUDA_DEVICES (2), FAKE_CUDA_DRIVER_VERSION (12080). */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -82,6 +95,7 @@ typedef struct op {
     char *dst;
     const char *src;
     size_t n;
+    uint64_t sum;  /* OP_HTOD: the source's checksum when queued */
     event_t *ev;
     uint64_t gen;
     int fill;
@@ -124,7 +138,9 @@ static unsigned g_jitter_seed = 1;
 static int g_hold; /* copies wait while set (fake_hold_copies) */
 static long g_pass; /* ... except this many more (fake_hold_after) */
 static long g_violations, g_copies_run, g_copies_queued;
-static alloc_t g_alloc[256];
+static long g_reuse_violations;
+#define MAXALLOC 8192
+static alloc_t g_alloc[MAXALLOC];
 static int g_nalloc;
 static struct { void *p; size_t n; } g_reg[256];
 static int g_nreg;
@@ -201,6 +217,44 @@ static int find_alloc(const void *p, size_t n) /* mu held */
     return -1;
 }
 
+static uint64_t checksum(const void *p, size_t n)
+{
+    const unsigned char *c = p;
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ c[i]) * 1099511628211ULL;
+    return h;
+}
+
+/* The call log. */
+enum { LOG_HTOD = 1, LOG_DTOH = 2, LOG_BATCH = 3, LOG_RECORD = 4,
+       LOG_EVSYNC = 5, LOG_WAIT = 6 };
+typedef struct {
+    long kind;
+    void *stream;
+    const void *host;
+    unsigned long long dptr;
+    size_t n;
+    void *event;
+    long batch;   /* copies: the batch they were part of (1, 2, ...), or 0 */
+} log_entry;
+#define LOG_CAP (1 << 16)
+static log_entry *g_log;
+static long g_nlog, g_batches;
+
+static void log_add(long kind, void *stream, const void *host,
+                    unsigned long long dptr, size_t n, void *event,
+                    long batch) /* mu held */
+{
+    if (g_log == NULL)
+        g_log = calloc(LOG_CAP, sizeof(*g_log));
+    if (g_log == NULL || g_nlog >= LOG_CAP) {
+        g_nlog++;
+        return;
+    }
+    g_log[g_nlog++] = (log_entry){kind, stream, host, dptr, n, event, batch};
+}
+
 static void *stream_main(void *arg)
 {
     stream_t *s = arg;
@@ -247,6 +301,10 @@ static void *stream_main(void *arg)
              * ordered after that kernel. */
             if (g_alloc[o->region].use_done < o->before)
                 g_violations++;
+            /* The host source changed since the copy was queued: the
+             * caller reused it before the copy out of it was done. */
+            if (checksum(o->src, o->n) != o->sum)
+                g_reuse_violations++;
             delay = g_copy_delay_us +
                     (g_copy_jitter_us > 0
                          ? (long)(rand_r(&g_jitter_seed) % g_copy_jitter_us)
@@ -507,6 +565,7 @@ CUresult cuEventRecord(event_t *e, stream_t *s)
     if (e == NULL || e->destroyed)
         return E_INVALID_HANDLE;
     pthread_mutex_lock(&mu);
+    log_add(LOG_RECORD, s, NULL, 0, 0, e, 0);
     uint64_t gen = ++e->recorded;
     if (s == NULL) { /* the legacy default stream: nothing queued here */
         e->completed = gen;
@@ -542,6 +601,7 @@ CUresult cuEventSynchronize(event_t *e)
     if (e == NULL || e->destroyed)
         return E_INVALID_HANDLE;
     pthread_mutex_lock(&mu);
+    log_add(LOG_EVSYNC, NULL, NULL, 0, 0, e, 0);
     uint64_t gen = e->recorded;
     while (e->completed < gen)
         pthread_cond_wait(&cv, &mu);
@@ -557,6 +617,7 @@ CUresult cuStreamWaitEvent(stream_t *s, event_t *e, unsigned int flags)
     if (s == NULL || e == NULL || e->destroyed || flags != 0)
         return E_INVALID_HANDLE;
     pthread_mutex_lock(&mu);
+    log_add(LOG_WAIT, s, NULL, 0, 0, e, 0);
     if (e->recorded > e->completed) {
         op_t *o = calloc(1, sizeof(*o));
         o->kind = OP_WAIT;
@@ -567,6 +628,41 @@ CUresult cuStreamWaitEvent(stream_t *s, event_t *e, unsigned int flags)
     }
     pthread_mutex_unlock(&mu);
     return OK;
+}
+
+/* Queue one copy on s (mu held, checked already). */
+static void queue_dtoh(void *dst, CUdeviceptr src, size_t n, stream_t *s,
+                       long batch)
+{
+    op_t *o = calloc(1, sizeof(*o));
+    o->kind = OP_COPY;
+    o->dst = dst;
+    o->src = (const char *)(uintptr_t)src;
+    o->n = n;
+    if (g_async_fail_at > 0 && --g_async_fail_at == 0)
+        o->fail = g_async_fail_code;
+    g_copies_queued++;
+    log_add(LOG_DTOH, s, dst, src, n, NULL, batch);
+    push(s, o);
+}
+
+static void queue_htod(CUdeviceptr dst, const void *src, size_t n, int a,
+                       stream_t *s, long batch)
+{
+    op_t *o = calloc(1, sizeof(*o));
+    o->kind = OP_HTOD;
+    o->dst = (char *)(uintptr_t)dst;
+    o->src = src;
+    o->n = n;
+    o->sum = checksum(src, n);
+    o->region = a;
+    if (g_async_fail_at > 0 && --g_async_fail_at == 0)
+        o->fail = g_async_fail_code;
+    o->before = g_alloc[a].use_launched;
+    g_alloc[a].htod_launched++;
+    g_copies_queued++;
+    log_add(LOG_HTOD, s, src, dst, n, NULL, batch);
+    push(s, o);
 }
 
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n,
@@ -582,15 +678,7 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n,
         pthread_mutex_unlock(&mu);
         return E_INVALID_VALUE;
     }
-    op_t *o = calloc(1, sizeof(*o));
-    o->kind = OP_COPY;
-    o->dst = dst;
-    o->src = (const char *)(uintptr_t)src;
-    o->n = n;
-    if (g_async_fail_at > 0 && --g_async_fail_at == 0)
-        o->fail = g_async_fail_code;
-    g_copies_queued++;
-    push(s, o);
+    queue_dtoh(dst, src, n, s, 0);
     pthread_mutex_unlock(&mu);
     return OK;
 }
@@ -608,20 +696,86 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n,
         pthread_mutex_unlock(&mu);
         return E_INVALID_VALUE;
     }
-    op_t *o = calloc(1, sizeof(*o));
-    o->kind = OP_HTOD;
-    o->dst = (char *)(uintptr_t)dst;
-    o->src = src;
-    o->n = n;
-    o->region = a;
-    if (g_async_fail_at > 0 && --g_async_fail_at == 0)
-        o->fail = g_async_fail_code;
-    o->before = g_alloc[a].use_launched;
-    g_alloc[a].htod_launched++;
-    g_copies_queued++;
-    push(s, o);
+    queue_htod(dst, src, n, a, s, 0);
     pthread_mutex_unlock(&mu);
     return OK;
+}
+
+/* CUmemcpyAttributes, as cuda.h 12.8+ lays it out. */
+typedef struct {
+    int srcAccessOrder;
+    struct { int type, id; } srcLocHint, dstLocHint;
+    unsigned int flags;
+} memcpy_attrs;
+
+/* Both batched ABIs: every copy checked first (a bad one fails the call
+ * with nothing queued, *fail naming it), then all queued, in reverse. */
+static CUresult batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+                      size_t count, memcpy_attrs *attrs, size_t *idxs,
+                      size_t nattrs, size_t *fail, stream_t *s)
+{
+    int *alloc;
+    if (fail != NULL)
+        *fail = (size_t)-1;
+    if (s == NULL || count == 0 || !dsts || !srcs || !sizes || !attrs ||
+        !idxs || nattrs == 0 || nattrs > count || idxs[0] != 0)
+        return E_INVALID_VALUE;
+    for (size_t k = 0; k < nattrs; k++)
+        if (attrs[k].srcAccessOrder < 1 || attrs[k].srcAccessOrder > 3 ||
+            (k > 0 && idxs[k] <= idxs[k - 1]) || idxs[k] >= count)
+            return E_INVALID_VALUE;
+    if ((alloc = calloc(count, sizeof(int))) == NULL)
+        return E_OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < count; i++) {
+        int d = find_alloc((void *)(uintptr_t)dsts[i], sizes[i]);
+        int r = find_alloc((void *)(uintptr_t)srcs[i], sizes[i]);
+        int a = d >= 0 ? d : r;
+        /* one side device memory of this context's device, one host */
+        if ((d >= 0) == (r >= 0) || g_alloc[a].dev != t_cur->dev ||
+            s->dev != t_cur->dev || sizes[i] == 0) {
+            pthread_mutex_unlock(&mu);
+            free(alloc);
+            if (fail != NULL)
+                *fail = i;
+            return E_INVALID_VALUE;
+        }
+        alloc[i] = d >= 0 ? d : -1;
+    }
+    long id = ++g_batches;
+    log_add(LOG_BATCH, s, NULL, 0, count, NULL, id);
+    for (size_t q = count; q-- > 0;) {
+        if (alloc[q] >= 0)
+            queue_htod(dsts[q], (const void *)(uintptr_t)srcs[q], sizes[q],
+                       alloc[q], s, id);
+        else
+            queue_dtoh((void *)(uintptr_t)dsts[q], srcs[q], sizes[q], s, id);
+    }
+    pthread_mutex_unlock(&mu);
+    free(alloc);
+    return OK;
+}
+
+CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                            size_t *sizes, size_t count, memcpy_attrs *attrs,
+                            size_t *idxs, size_t nattrs, size_t *fail,
+                            stream_t *s)
+{
+    if (fail != NULL)
+        *fail = (size_t)-1;
+    ENTER("cuMemcpyBatchAsync");
+    NEED_CTX();
+    return batch(dsts, srcs, sizes, count, attrs, idxs, nattrs, fail, s);
+}
+
+CUresult cuMemcpyBatchAsync_v2(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                               size_t *sizes, size_t count,
+                               memcpy_attrs *attrs, size_t *idxs,
+                               size_t nattrs, stream_t *s)
+{
+    ENTER("cuMemcpyBatchAsync_v2");
+    NEED_CTX();
+    return batch(dsts, srcs, sizes, count, attrs, idxs, nattrs, NULL, s);
 }
 
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned int flags)
@@ -732,6 +886,8 @@ void fake_reset(void)
     g_hold = 0;
     pthread_cond_broadcast(&cv);
     g_violations = g_copies_run = g_copies_queued = 0;
+    g_reuse_violations = 0;
+    g_nlog = 0;
     pthread_mutex_unlock(&mu);
 }
 
@@ -804,6 +960,36 @@ long fake_total_calls(void)
 }
 
 long fake_violations(void) { return g_violations; }
+
+long fake_reuse_violations(void)
+{
+    pthread_mutex_lock(&mu);
+    long n = g_reuse_violations;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+/* Entries logged since the last fake_reset (more than the log holds when
+ * it overflowed: only the first LOG_CAP are kept). */
+long fake_log_len(void)
+{
+    pthread_mutex_lock(&mu);
+    long n = g_nlog;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+
+int fake_log_get(long i, log_entry *out)
+{
+    int rc = -1;
+    pthread_mutex_lock(&mu);
+    if (i >= 0 && i < g_nlog && i < LOG_CAP && g_log != NULL) {
+        *out = g_log[i];
+        rc = 0;
+    }
+    pthread_mutex_unlock(&mu);
+    return rc;
+}
 long fake_copies_queued(void) { return g_copies_queued; }
 
 long fake_copies_run(void)
@@ -839,7 +1025,7 @@ int fake_device_alloc_adjacent(int dev, int count, const size_t *sizes,
         return -1;
     memset(p, 0, total);
     pthread_mutex_lock(&mu);
-    if (g_nalloc + count > 256) {
+    if (g_nalloc + count > MAXALLOC) {
         pthread_mutex_unlock(&mu);
         free(p);
         return -1;
