@@ -466,7 +466,7 @@ class CheckpointManager:
         persist_interval_steps: Optional[int] = None,
         keep_local_k: int = 2,
         node: Optional[str] = None,
-        tier_timeout_s: float = 600.0,
+        tier_timeout_s: float = 300.0,
     ) -> None:
         check_not_bootstrapping("CheckpointManager")  # the main script run again by spawn
         if keep_latest_k is not None and int(keep_latest_k) < 1:
