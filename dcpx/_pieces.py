@@ -284,12 +284,78 @@ def _close_maps(maps: list) -> None:
                 pass
 
 
+def archive_digest(view: Any) -> Optional[int]:
+    """A record's fingerprint read from its zip archive's tail alone: the
+    CRC-32 of its central directory and end records (every entry's name,
+    size, CRC-32 and place).  Two records of one length with one digest
+    hold the same bytes wherever the CRC-32s of their entries hold (the
+    receiver checks those after it copies).  None: not a zip archive."""
+    n = len(view)
+    tail = bytes(view[max(0, n - (1 << 16) - 22):])
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        return None
+    cd_size = int.from_bytes(tail[at + 12:at + 16], "little")
+    cd_off = int.from_bytes(tail[at + 16:at + 20], "little")
+    if 0xFFFFFFFF in (cd_size, cd_off):  # zip64: the zip64 end record has them
+        loc = tail.rfind(b"PK\x06\x07", 0, at)
+        if loc < 0:
+            return None
+        end64 = int.from_bytes(tail[loc + 8:loc + 16], "little")
+        if not 0 <= end64 <= n - 56 or bytes(view[end64:end64 + 4]) != b"PK\x06\x06":
+            return None
+        cd_off = int.from_bytes(bytes(view[end64 + 48:end64 + 56]), "little")
+    if not 0 <= cd_off <= n:
+        return None
+    return _C.crc32(view[cd_off:])
+
+
+def offer(piece: Path, md: Any) -> list:
+    """What a receiver tells the rank whose replica it is about to receive:
+    the tensor records of its own piece of the step, ``[fqn, offsets,
+    length, digest]`` -- a sender does not send the bytes of a record the
+    receiver holds already (a data-parallel replica: DDP, HSDP), it says
+    which of these to copy.  Reads only each record's archive tail."""
+    out: list = []
+    maps: dict = {}
+    try:
+        for index, info in md.storage_data.items():
+            if type(md.state_dict_metadata.get(index.fqn)).__name__ != "TensorStorageMetadata":
+                continue
+            rel = info.relative_path
+            if rel not in maps:
+                maps[rel] = _map(Path(piece) / rel)
+            mm = maps[rel]
+            if mm is None or info.offset + info.length > len(mm):
+                continue
+            digest = archive_digest(memoryview(mm)[info.offset:info.offset + info.length])
+            if digest is not None:
+                out.append([index.fqn, None if index.offset is None else list(index.offset),
+                            info.length, digest])
+    finally:
+        _close_maps(list(maps.values()))
+    return out
+
+
+def _map(path: Path) -> Any:
+    import mmap
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+    finally:
+        os.close(fd)
+
+
 class Outgoing:
     """A committed piece's files, mapped for sending; ``index`` is what the
-    receiver allocates them by.  Close it (or use ``with``) after the sends."""
+    receiver allocates them by.  :meth:`skip_held` leaves out of what is
+    sent the records the receiver holds already (its offer): those are
+    ``holes`` of the index, filled by the receiver from its own piece.
+    Close it (or use ``with``) after the sends."""
 
     def __init__(self, piece: Path) -> None:
-        import mmap
+        self.piece = Path(piece)
         self.maps: list = []
         self.index: list = []
         names = sorted(n for n in os.listdir(piece) if _FILE_RE.match(n))
@@ -297,21 +363,51 @@ class Outgoing:
             raise CorruptCheckpointError(f"{piece}: not a committed piece (no .metadata)")
         try:
             for n in names:
-                fd = open_regular(piece / n)
-                try:
-                    size = os.fstat(fd).st_size
-                    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-                finally:
-                    os.close(fd)
+                mm = _map(self.piece / n)
                 self.maps.append(mm)
-                self.index.append([n, size])
+                self.index.append([n, 0 if mm is None else len(mm)])
         except BaseException:
             self.close()
             raise
 
+    def skip_held(self, held: list, md: Any = None) -> int:
+        """Mark the records ``held`` (a receiver's :func:`offer`) that this
+        piece holds with the same length and digest as holes; returns the
+        bytes that are then not sent.  ``md``: the piece's Metadata (read
+        when not given)."""
+        if not held:
+            return 0
+        md = md if md is not None else read_metadata(self.piece)
+        want = {(e[0], None if e[1] is None else tuple(e[1])): (i, e[2], e[3])
+                for i, e in enumerate(held)}
+        where = {name: k for k, (name, _) in enumerate(self.index)}
+        holes: dict = {}
+        for index, info in md.storage_data.items():
+            key = (index.fqn, None if index.offset is None else tuple(index.offset))
+            got = want.get(key)
+            k = where.get(info.relative_path)
+            if got is None or k is None or got[1] != info.length or self.maps[k] is None:
+                continue
+            if info.offset + info.length > len(self.maps[k]):
+                continue
+            view = memoryview(self.maps[k])[info.offset:info.offset + info.length]
+            if archive_digest(view) == got[2]:
+                holes.setdefault(k, []).append([info.offset, info.length, got[0]])
+        saved = 0
+        for k, hs in holes.items():
+            hs.sort()
+            self.index[k] = [self.index[k][0], self.index[k][1], hs]
+            saved += sum(h[1] for h in hs)
+        return saved
+
     def views(self) -> list:
-        """One read-only buffer per file of the index (None: an empty file)."""
-        return self.maps
+        """Per file of the index, the buffers to send: the file's bytes
+        outside its holes (read-only; none for an empty file)."""
+        out = []
+        for entry, mm in zip(self.index, self.maps):
+            out.append([] if mm is None else
+                       [memoryview(mm)[a:b] for a, b in segments(entry)])
+        return out
 
     def close(self) -> None:
         _close_maps(self.maps)
@@ -324,15 +420,31 @@ class Outgoing:
         self.close()
 
 
+def segments(entry: list) -> list:
+    """The byte ranges ``[start, end)`` of a file of the index that are
+    sent: all of it but its holes."""
+    size, holes = entry[1], (entry[2] if len(entry) > 2 else [])
+    out, pos = [], 0
+    for off, length, _ in holes:
+        if off > pos:
+            out.append((pos, off))
+        pos = off + length
+    if pos < size:
+        out.append((pos, size))
+    return out
+
+
 def encode_index(index: list) -> bytes:
     return json.dumps(index).encode()
 
 
-def decode_index(data: Any, what: str) -> list:
+def decode_index(data: Any, what: str, offered: int = 0) -> list:
     """The index a sender sent, checked: every name a checkpoint file name
     (nothing else is ever written), each size an integer within bounds, a
-    ``.metadata``, no name twice.  Anything else (not JSON, nested too
-    deep, too many files) is a CorruptCheckpointError naming ``what``."""
+    ``.metadata``, no name twice; a file's holes (records the receiver
+    copies from its own piece, of the ``offered`` ones) sorted, apart and
+    inside the file.  Anything else (not JSON, nested too deep, too many
+    files) is a CorruptCheckpointError naming ``what``."""
     try:
         index = json.loads(bytes(data))
     except (ValueError, RecursionError) as e:
@@ -340,15 +452,28 @@ def decode_index(data: Any, what: str) -> list:
                                      f"{type(e).__name__}: {str(e)[:200]}") from None
     ok = isinstance(index, list) and len(index) <= _MAX_FILES
     for entry in index if ok else ():
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+        if not (isinstance(entry, list) and len(entry) in (2, 3) and isinstance(entry[0], str)
                 and _FILE_RE.match(entry[0]) and type(entry[1]) is int
-                and 0 <= entry[1] <= _MAX_FILE):
+                and 0 <= entry[1] <= _MAX_FILE
+                and (len(entry) == 2 or _holes_ok(entry[2], entry[1], offered))):
             raise CorruptCheckpointError(f"{what}: the piece's index holds {str(entry)[:200]}, "
-                                         f"not (checkpoint file name, size)")
+                                         f"not (checkpoint file name, size[, holes])")
     names = [e[0] for e in index] if ok else []
     if not ok or ".metadata" not in names or len(set(names)) != len(names):
         raise CorruptCheckpointError(f"{what}: the piece's index is not a piece's")
     return index
+
+
+def _holes_ok(holes: Any, size: int, offered: int) -> bool:
+    if not isinstance(holes, list) or len(holes) > offered:
+        return False
+    pos = 0
+    for h in holes:
+        if not (isinstance(h, list) and len(h) == 3 and all(type(x) is int for x in h)
+                and pos <= h[0] and 0 < h[1] <= size - h[0] and 0 <= h[2] < offered):
+            return False
+        pos = h[0] + h[1]
+    return True
 
 
 def verify_piece(files: dict, what: str) -> Any:
@@ -402,12 +527,12 @@ class Incoming:
         self.maps: list = []
         self.fds: list = []
         try:
-            need = sum(size for _, size in index)
+            need = sum(e[1] for e in index)
             free = free_bytes(self.dest.parent)
             if free is not None and need > free:
                 raise OSError(errno.ENOSPC, f"{what}: {need} bytes do not fit in the "
                               f"{free} free", str(self.dest.parent))
-            for name, size in index:
+            for name, size, *_ in index:
                 fd = os.open(self.tmp / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                              0o644)
                 self.fds.append(fd)
@@ -421,13 +546,50 @@ class Incoming:
             raise
 
     def views(self) -> list:
-        """One writable buffer per file of the index (None: an empty file)."""
-        return self.maps
+        """Per file of the index, the writable buffers its sent bytes land
+        in (all of it but its holes)."""
+        return [[] if mm is None else [memoryview(mm)[a:b] for a, b in segments(entry)]
+                for entry, mm in zip(self.index, self.maps)]
+
+    def fill_holes(self, own: Path, offered: list) -> int:
+        """Copy into the holes the records of this rank's own piece ``own``
+        it offered (``offered``: its :func:`offer`); returns the bytes
+        copied.  What lands is checked by :meth:`commit` like the rest."""
+        holes = [(k, h) for k, entry in enumerate(self.index) if len(entry) > 2
+                 for h in entry[2]]
+        if not holes:
+            return 0
+        md = read_metadata(own)
+        where = {(i.fqn, None if i.offset is None else tuple(i.offset)): info
+                 for i, info in md.storage_data.items()}
+        fds: dict = {}
+        copied = 0
+        try:
+            for k, (off, length, i) in holes:
+                fqn, offsets = offered[i][0], offered[i][1]
+                info = where.get((fqn, None if offsets is None else tuple(offsets)))
+                if info is None or info.length != length:
+                    raise CorruptCheckpointError(f"{self.what}: its record {fqn!r} is to be "
+                                                 f"copied from this rank's piece, which lacks it")
+                if info.relative_path not in fds:
+                    fds[info.relative_path] = open_regular(Path(own) / info.relative_path)
+                dst = memoryview(self.maps[k])[off:off + length]
+                got = 0
+                while got < length:
+                    n = os.preadv(fds[info.relative_path], [dst[got:]], info.offset + got)
+                    if n <= 0:
+                        raise CorruptCheckpointError(f"{own}: {info.relative_path} ends early")
+                    got += n
+                copied += length
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return copied
 
     def commit(self) -> Any:
         """Check, sync and commit the piece; returns its Metadata."""
         assert self.tmp is not None
-        md = verify_piece({name: mm for (name, _), mm in zip(self.index, self.maps)}, self.what)
+        md = verify_piece({e[0]: mm for e, mm in zip(self.index, self.maps)}, self.what)
         for mm in self.maps:
             if mm is not None and self.sync:
                 mm.flush()

@@ -77,10 +77,10 @@ _MAGIC = b"dcpxtier"
 _VERSION = 1
 #: message kinds
 (_PROPOSE, _DECIDE, _PIECE, _NOPIECE, _OUTCOME, _VERDICT, _META, _FAIL, _PLAN,
- _WROTE) = range(1, 11)
+ _WROTE, _OFFER) = range(1, 12)
 _KIND_NAMES = {_PROPOSE: "proposal", _DECIDE: "decision", _PIECE: "piece", _NOPIECE: "no piece",
                _OUTCOME: "outcome", _VERDICT: "verdict", _META: "metadata", _FAIL: "failure",
-               _PLAN: "plan", _WROTE: "records written"}
+               _PLAN: "plan", _WROTE: "records written", _OFFER: "offer"}
 #: most bytes of a piece's index, of a small control message, of a piece's metadata
 _MAX_INDEX = 1 << 20
 _MAX_SMALL = 1 << 20
@@ -169,8 +169,8 @@ class _Wire:
     overrun a receive; a header (magic, version, kind, sender, save number,
     length, CRC-32) is checked before a payload is used or allocated."""
 
-    def __init__(self, group: Any, global_rank: list, me: int, timeout_s: float) -> None:
-        self.group, self.g, self.me, self.timeout_s = group, global_rank, me, timeout_s
+    def __init__(self, group: Any, me: int, timeout_s: float) -> None:
+        self.group, self.me, self.timeout_s = group, me, timeout_s
         self._scratch: Optional[torch.Tensor] = None
 
     def scratch(self) -> torch.Tensor:
@@ -187,14 +187,14 @@ class _Wire:
         return _PeerError(rank, why)
 
     def _isend(self, t: torch.Tensor, dst: int, what: str) -> Any:
-        try:
-            return dist.isend(t, self.g[dst], group=self.group)
+        try:  # the group's own methods: it need not be in torch's registry
+            return self.group.send([t], dst, 0)
         except RuntimeError as e:
             raise self._gloo(dst, what, e) from e
 
     def _recv(self, t: torch.Tensor, src: int, what: str) -> None:
         try:
-            dist.recv(t, self.g[src], group=self.group)
+            self.group.recv([t], src, 0).wait()
         except RuntimeError as e:
             raise self._gloo(src, what, e) from e
 
@@ -293,6 +293,50 @@ class _Wire:
             raise bad(f"its {_KIND_NAMES[kind]} fails its CRC-32 (it sent fewer bytes than it "
                       f"announced, or others)")
         return kind, payload
+
+
+def _aborted(answer: Any) -> Any:
+    """``answer`` from rank 0, or the _PeerError it reports instead."""
+    if isinstance(answer, dict) and "abort" in answer:
+        rank = answer.get("rank")
+        raise _PeerError(rank if type(rank) is int else 0, str(answer["abort"])[:1000])
+    return answer
+
+
+def _offer_of(data: bytes, src: int) -> list:
+    """A partner's offer (pieces.offer), checked: ``[fqn, offsets, length,
+    digest]`` entries."""
+    got = _jload(data, src)
+    ok = isinstance(got, list) and all(
+        isinstance(e, list) and len(e) == 4 and isinstance(e[0], str)
+        and (e[1] is None or (isinstance(e[1], list) and all(type(x) is int for x in e[1])))
+        and type(e[2]) is int and type(e[3]) is int for e in got)
+    if not ok:
+        raise _PeerError(src, f"rank {src} broke the tier's protocol: its offer is not one",
+                         protocol=True)
+    return got
+
+
+_group_counts: dict = {}
+
+
+def _tier_group(parent: Any, ranks: list, rank: int, timeout: timedelta, what: str) -> Any:
+    """A gloo group of ``ranks`` for the tier alone, built on the default
+    store under a name of dcpx's own and kept out of torch's registry:
+    ``dist.destroy_process_group()`` at the end of a script does not take
+    it away from the exit hook that finishes the last save.  Every rank of
+    ``parent`` makes its tiers' groups in the same order, so the names
+    agree.  (Where torch's private pieces differ: ``new_group``.)"""
+    import hashlib
+    from torch.distributed import distributed_c10d as c10d
+    name = (getattr(parent, "group_name", None) or "default") + ":" + hashlib.sha1(
+        ",".join(map(str, ranks)).encode()).hexdigest()[:12]
+    n = _group_counts[(name, what)] = _group_counts.get((name, what), -1) + 1
+    try:
+        store = dist.PrefixStore(f"dcpx_tier/{name}/{what}/{n}", c10d._get_default_store())
+        return dist.ProcessGroupGloo(store, rank, len(ranks), timeout)
+    except (AttributeError, TypeError):  # pragma: no cover - another torch's internals
+        return dist.new_group(ranks, backend="gloo", timeout=timeout)
 
 
 def _jdump(obj: Any) -> bytes:
@@ -486,8 +530,11 @@ class LocalTier:
             t = timedelta(seconds=self.timeout_s)
             # Groups of the tier's own: the replication and persistence
             # threads' messages never meet the training thread's.
-            self.g_repl = dist.new_group(ranks, backend="gloo", timeout=t)
-            self.g_persist = dist.new_group(ranks, backend="gloo", timeout=t)
+            self.g_repl = _tier_group(pg, ranks, self.rank, t, "replicate")
+            self.g_persist = _tier_group(pg, ranks, self.rank, t, "persist")
+            self.w_repl = _Wire(self.g_repl, self.rank, self.timeout_s)
+            self.w_persist = _Wire(self.g_persist, self.rank, self.timeout_s)
+            self.w_main = _Wire(self.g_repl, self.rank, self.timeout_s)
             self.g_self = None
             if not _torch_has_no_dist():
                 # torch < 2.7 has no no_dist=: a rank's own piece is saved and
@@ -495,9 +542,16 @@ class LocalTier:
                 # rank creates it).
                 self.g_self = dist.new_group([self.global_rank[self.rank]], backend="gloo",
                                              timeout=t, use_local_synchronization=True)
-            box = [(time.time_ns(), pieces.job_id(manager._root))] if self.rank == 0 else [None]
-            dist.broadcast_object_list(box, src=self.global_rank[0], group=self.g_repl)
-            clock, self.job = int(box[0][0]), str(box[0][1])
+            first = None
+            if self.rank == 0:
+                try:
+                    first = [time.time_ns(), pieces.job_id(manager._root), None]
+                except Exception as e:  # noqa: BLE001 - raised on every rank below
+                    first = [0, "", f"{type(e).__name__}: {e}"]
+            clock, self.job, why = self._gather(first)[0]
+            if why is not None:
+                raise CheckpointError(f"dcpx.CheckpointManager: rank 0 could not read or make "
+                                      f"the job's id in {manager._root}: {why}")
             seen = self._newest_segment_here()
             names, seen = self._meet(str(name), seen, clock)
         else:
@@ -525,10 +579,6 @@ class LocalTier:
         self.closed = False
         self._repl = _Pipeline("dcpx-replicate", self._replication_round)
         self._persist = _Pipeline("dcpx-persist", self._persistence_round)
-        if self.dist:
-            self.w_repl = _Wire(self.g_repl, self.global_rank, self.rank, self.timeout_s)
-            self.w_persist = _Wire(self.g_persist, self.global_rank, self.rank, self.timeout_s)
-            self.w_main = _Wire(self.g_repl, self.global_rank, self.rank, self.timeout_s)
         self.last_piece_bytes: Optional[int] = None
         #: per step: seconds from the save() call to each stage, and what
         #: happened to it; what benchmarks/bench_tiers.py reports
@@ -550,12 +600,11 @@ class LocalTier:
         probe = self.local / f".dcpx-probe-{clock:x}-{self.rank}"
         open(probe, "wb").close()
         try:
-            dist.barrier(group=self.g_repl)
+            self._gather(None)  # every rank's probe is there
             here = sorted(int(n.rsplit("-", 1)[1]) for n in os.listdir(self.local)
                           if n.startswith(f".dcpx-probe-{clock:x}-"))
-            everyone: list = [None] * self.world
-            dist.all_gather_object(everyone, (name, seen, here), group=self.g_repl)
-            dist.barrier(group=self.g_repl)  # every rank has listed the probes
+            everyone = self._gather([name, seen, here])
+            self._gather(None)  # every rank has listed the probes
         finally:
             try:
                 os.unlink(probe)
@@ -630,7 +679,13 @@ class LocalTier:
         try:
             job.upload.result()
         except BaseException as e:  # noqa: BLE001 - a torch CheckpointException too
-            return self._wrap_full(e, f"the local save of step {job.step}")
+            what = f"the local save of step {job.step}"
+            err = self._wrap_full(e, what)
+            if err is e and not (isinstance(e, CheckpointError) and f"step {job.step}" in str(e)):
+                err = CheckpointError(f"dcpx.CheckpointManager: {what} failed: "
+                                      f"{type(e).__name__}: {e}")
+                err.__cause__ = e
+            return err
         return None
 
     def _report_local(self, job: Optional[_Job]) -> None:
@@ -756,8 +811,7 @@ class LocalTier:
                 if newest_kept is None or step > newest_kept:
                     for path in paths:
                         pieces.remove_key(path)
-        if self.dist:
-            dist.barrier(group=self.g_repl)  # no rank writes before its leader is done
+        self._gather(None)  # no rank writes before its leader is done
         self.settled = True
 
     def save(self, step: int, state_dict: dict, mode: Any, stager: Any, persist: bool,
@@ -848,12 +902,10 @@ class LocalTier:
             posted = wire.send(0, _PROPOSE, newest, _jdump({"seq": newest}))
             _, payload = wire.recv(0, (_DECIDE,), None, _MAX_SMALL)
             wire.wait(posted)
-            answer = _jload(payload, 0)
-            if not isinstance(answer, dict) or not isinstance(answer.get("seq"), int):
-                reason = answer.get("abort") if isinstance(answer, dict) else None
-                rank = answer.get("rank", 0) if isinstance(answer, dict) else 0
-                raise _PeerError(rank if isinstance(rank, int) else 0,
-                                 str(reason)[:500] if reason else "rank 0 sent no decision")
+            answer = _aborted(_jload(payload, 0))
+            if not (isinstance(answer, dict) and type(answer.get("seq")) is int):
+                raise _PeerError(0, "rank 0 broke the tier's protocol: it sent no decision",
+                                 protocol=True)
             return answer["seq"]
         seqs = [newest]
         for r in range(1, self.world):
@@ -864,7 +916,7 @@ class LocalTier:
                     raise _PeerError(r, f"rank {r} broke the tier's protocol: its proposal is "
                                         f"{str(got)[:100]}", protocol=True)
             except _PeerError as e:
-                self._abort_round(wire, range(1, self.world), e, skip=r)
+                self._abort(wire, _DECIDE, -1, e)
                 raise
             seqs.append(got["seq"])
         agreed = min(seqs)
@@ -874,31 +926,37 @@ class LocalTier:
         wire.wait(posted)
         return agreed
 
-    def _abort_round(self, wire: _Wire, ranks: Any, e: _PeerError, skip: int) -> None:
-        """Tell the ranks waiting for rank 0's decision why there is none
-        (not ``skip``, the rank that failed; a rank that has not proposed
-        yet takes the answer after its proposal)."""
+    def _abort(self, wire: _Wire, kind: int, seq: int, e: _PeerError) -> None:
+        """Rank 0 tells every other rank (but the failed one) why the answer
+        they wait for (a message of ``kind``) does not come: each raises the
+        same error, naming the rank.  A rank that has not sent its own
+        message yet takes the answer after it."""
         msg = _jdump({"abort": e.what, "rank": e.rank})
-        for r in ranks:
-            if r == skip:
-                continue
-            try:
-                wire.wait(wire.send(r, _DECIDE, -1, msg))
-            except _PeerError:
-                pass
+        for r in range(1, self.world):
+            if r != e.rank:
+                try:
+                    wire.wait(wire.send(r, kind, seq, msg))
+                except _PeerError:
+                    pass
 
-    def _star(self, wire: _Wire, seq: int, mine: Any, verdict: Callable) -> Any:
+    def _star(self, wire: _Wire, seq: int, mine: Any, verdict: Callable,
+              limit: int = _MAX_SMALL) -> Any:
         """Every rank's ``mine`` (JSON) to rank 0, which answers every rank
-        with ``verdict(all of them)`` (JSON)."""
+        with ``verdict(all of them)`` (JSON); ``limit``: the most bytes of
+        each."""
         if self.rank != 0:
             posted = wire.send(0, _OUTCOME, seq, _jdump(mine))
-            _, payload = wire.recv(0, (_VERDICT,), seq, _MAX_SMALL)
+            _, payload = wire.recv(0, (_VERDICT,), seq, limit)
             wire.wait(posted)
-            return _jload(payload, 0)
+            return _aborted(_jload(payload, 0))
         got = [mine]
         for r in range(1, self.world):
-            _, payload = wire.recv(r, (_OUTCOME,), seq, _MAX_SMALL)
-            got.append(_jload(payload, r))
+            try:
+                _, payload = wire.recv(r, (_OUTCOME,), seq, limit)
+                got.append(_jload(payload, r))
+            except _PeerError as e:
+                self._abort(wire, _VERDICT, seq, e)
+                raise
         answer = verdict(got)
         data = _jdump(answer)
         posted = []
@@ -912,6 +970,8 @@ class LocalTier:
         with the partners, learn whether every piece is stored, delete old
         steps (the leader)."""
         job = None
+        with pipe.cv:
+            step = pipe.jobs[-1].step  # (the round's step, for a failure before it is agreed)
         try:
             if self.dist:
                 seq = self._agree(self.w_repl, pipe.newest())
@@ -932,8 +992,11 @@ class LocalTier:
             mine = {"ok": ok, "got": got}
             answer = (self._star(self.w_repl, job.seq, mine, self._replication_verdict)
                       if self.dist else self._replication_verdict([mine]))
+            if not isinstance(answer, dict):
+                raise _PeerError(0, "rank 0 broke the tier's protocol: its verdict is not one",
+                                 protocol=True)
         except _PeerError as e:
-            self._push_error(self._peer_failed(e, job.step if job else -1, "replication"))
+            self._push_error(self._peer_failed(e, job.step if job else step, "replication"))
             if job is not None:
                 self._times(job.step)["replication"] = f"failed: {self._broken}"
             return
@@ -965,38 +1028,62 @@ class LocalTier:
     def _exchange(self, job: _Job, ok: bool) -> dict:
         """Send this rank's piece to its partners and keep theirs (replica
         ``k`` from the rank ``k`` nodes back); "no piece" when this rank has
-        none of the step.  Returns ``{source rank: "ok" | "none" | why}``;
-        this rank's own failures (a full disk, a damaged arrival) are queued
-        to be raised at its next call."""
+        none of the step.  First each receiver offers the tensor records of
+        its own piece (pieces.offer): a record it holds already (a
+        data-parallel replica) is not sent but copied on its node.  Returns
+        ``{source rank: "ok" | "none" | why}``; this rank's own failures (a
+        full disk, a damaged arrival) are queued to be raised at its next
+        call."""
         got: dict = {}
+        w = self.w_repl
+        own = self._piece(job.step, job.key)
+        md = None
+        if ok:
+            try:
+                md = pieces.read_metadata(own)
+            except Exception as e:  # noqa: BLE001 - the piece does not read: sent as none
+                self._push_error(CheckpointError(
+                    f"dcpx.CheckpointManager: this rank's piece of step {job.step} does not "
+                    f"read, so it was not replicated: {e}"))
+        mine = pieces.offer(own, md) if md is not None else []
+        sent = reused = 0
         for k in range(1, self.replicas + 1):
             dst = self.topology.partner(self.rank, k)
             src = self.topology.source(self.rank, k)
+            posted = w.send(src, _OFFER, job.seq, _jdump(mine))
+            theirs = _offer_of(w.recv(dst, (_OFFER,), job.seq, _MAX_META)[1], dst)
             out = None
-            if ok:
+            if md is not None:
                 try:
-                    out = pieces.Outgoing(self._piece(job.step, job.key))
+                    out = pieces.Outgoing(own)
+                    reused += out.skip_held(theirs, md)
+                    sent += sum(b - a for e in out.index for a, b in pieces.segments(e))
                 except Exception as e:  # noqa: BLE001 - the piece does not read: sent as none
+                    if out is not None:
+                        out.close()
+                        out = None
                     self._push_error(CheckpointError(
                         f"dcpx.CheckpointManager: this rank's piece of step {job.step} does not "
                         f"read, so it was not replicated: {e}"))
             try:
-                posted = self._post_piece(self.w_repl, out, dst, job.seq)
+                posted += self._post_piece(w, out, dst, job.seq)
                 what = f"the replica of rank {src}'s piece of step {job.step}"
                 try:
                     got[str(src)] = "ok" if self._recv_piece(
-                        self.w_repl, src, self._piece(job.step, job.key, src), what,
-                        job.seq) else "none"
+                        w, src, self._piece(job.step, job.key, src), what, job.seq,
+                        own if md is not None else None, mine) else "none"
                 except (OSError, CheckpointError) as e:  # this node's: reported, in step
                     err = self._wrap_full(e, f"receiving {what}")
                     self._push_error(err if isinstance(err, CheckpointError) else CheckpointError(
                         f"dcpx.CheckpointManager: receiving {what} failed: {err}"))
                     got[str(src)] = f"{type(err).__name__}: {err}"[:500]
-                self.w_repl.wait(posted)
+                w.wait(posted)
                 del posted
             finally:
                 if out is not None:
                     out.close()
+        times = self._times(job.step)
+        times["sent_bytes"], times["reused_bytes"] = sent, reused
         return got
 
     def _retain(self) -> None:
@@ -1023,34 +1110,40 @@ class LocalTier:
     # ------------------------------------------------- pieces on the wire
     def _post_piece(self, wire: _Wire, out: Optional[Any], dst: int, seq: int) -> list:
         """Post the messages of a piece (``out``: a pieces.Outgoing, or None
-        for "no piece") to ``dst``: its index, then each file's bytes from
-        its mapping.  Returns what wire.wait takes (keep it until then)."""
+        for "no piece") to ``dst``: its index, then each file's bytes (but
+        its holes) from its mapping.  Returns what wire.wait takes (keep it
+        until then)."""
         if out is None:
             return wire.send(dst, _NOPIECE, seq)
         return (wire.send(dst, _PIECE, seq, pieces.encode_index(out.index))
-                + wire.send_views(dst, out.views()))
+                + wire.send_views(dst, [v for views in out.views() for v in views]))
 
-    def _recv_piece(self, wire: _Wire, src: int, dest: Path, what: str, seq: int) -> bool:
-        """Receive a piece from ``src`` into ``dest``, checked and committed
-        there; False when ``src`` said it has none.  An index that is not a
-        piece's is ``src``'s protocol error (_PeerError); no room here, or a
-        piece that fails its checks, is this rank's (OSError or
-        CheckpointError), with every byte ``src`` sent taken."""
+    def _recv_piece(self, wire: _Wire, src: int, dest: Path, what: str, seq: int,
+                    own: Optional[Path] = None, offered: Optional[list] = None) -> bool:
+        """Receive a piece from ``src`` into ``dest``, its holes filled from
+        this rank's own piece ``own`` (the records it ``offered``), checked
+        and committed there; False when ``src`` said it has none.  An index
+        that is not a piece's is ``src``'s protocol error (_PeerError); no
+        room here, or a piece that fails its checks, is this rank's (OSError
+        or CheckpointError), with every byte ``src`` sent taken."""
         kind, payload = wire.recv(src, (_PIECE, _NOPIECE), seq, _MAX_INDEX)
         if kind == _NOPIECE:
             return False
+        offered = offered or []
         try:
-            index = pieces.decode_index(payload, what)
+            index = pieces.decode_index(payload, what, len(offered) if own else 0)
         except CorruptCheckpointError as e:
             raise _PeerError(src, f"rank {src} broke the tier's protocol: {e}",
                              protocol=True) from None
         try:
             inc = pieces.Incoming(dest, index, what, self.sync_files)
         except BaseException:
-            wire.skip_views(src, [size for _, size in index], what)
+            wire.skip_views(src, [b - a for e in index for a, b in pieces.segments(e)], what)
             raise
         try:
-            wire.recv_views(src, inc.views())
+            wire.recv_views(src, [v for views in inc.views() for v in views])
+            if own is not None:
+                inc.fill_holes(own, offered)
             inc.commit()
         finally:
             inc.close()
@@ -1068,6 +1161,8 @@ class LocalTier:
         rank; older ones are skipped) and write it under root."""
         job = None
         jobs: list = []
+        with pipe.cv:
+            step = pipe.jobs[-1].step  # (the round's step, for a failure before it is agreed)
         try:
             seq = self._agree(self.w_persist, pipe.newest()) if self.dist else pipe.newest()
             jobs = pipe.take(seq)
@@ -1090,7 +1185,7 @@ class LocalTier:
                 if not (job.reported and not ok):  # this rank's save() raised why already
                     self._push_error(e)
         except _PeerError as e:
-            self._push_error(self._peer_failed(e, job.step if job else -1, "persistence"))
+            self._push_error(self._peer_failed(e, job.step if job else step, "persistence"))
             if job is not None:
                 self._times(job.step)["persistence"] = f"failed: {self._broken}"
         finally:
@@ -1124,7 +1219,7 @@ class LocalTier:
                       else w.send(0, _META, job.seq, md_bytes))
             _, payload = w.recv(0, (_PLAN,), job.seq, _MAX_META)
             w.wait(posted)
-            plan = _jload(payload, 0)
+            plan = _aborted(_jload(payload, 0))
             metas = owned = None
         else:
             metas, errors = [None] * self.world, []
@@ -1132,7 +1227,11 @@ class LocalTier:
                 if r == 0:
                     kind, data = (_FAIL, err.encode()) if err is not None else (_META, md_bytes)
                 else:
-                    kind, data = w.recv(r, (_META, _FAIL), job.seq, _MAX_META)
+                    try:
+                        kind, data = w.recv(r, (_META, _FAIL), job.seq, _MAX_META)
+                    except _PeerError as e:
+                        self._abort(w, _PLAN, job.seq, e)
+                        raise
                 if kind == _FAIL:
                     errors.append(data.decode("utf-8", "replace")[:1000])
                     continue
@@ -1201,10 +1300,15 @@ class LocalTier:
             posted = w.send(0, _WROTE, job.seq, _jdump(report))
             _, payload = w.recv(0, (_VERDICT,), job.seq, _MAX_SMALL)
             w.wait(posted)
-            verdict = _jload(payload, 0)
+            verdict = _aborted(_jload(payload, 0))
             return verdict.get("error") if isinstance(verdict, dict) else "rank 0 sent no verdict"
-        reports = [report] + [_jload(w.recv(r, (_WROTE,), job.seq, _MAX_SMALL)[1], r)
-                              for r in range(1, self.world)]
+        reports = [report]
+        for r in range(1, self.world):
+            try:
+                reports.append(_jload(w.recv(r, (_WROTE,), job.seq, _MAX_SMALL)[1], r))
+            except _PeerError as e:
+                self._abort(w, _VERDICT, job.seq, e)
+                raise
         errors = sorted({str(r.get("error"))[:2000] for r in reports
                          if not isinstance(r, dict) or r.get("error")})
         result = None
@@ -1269,13 +1373,9 @@ class LocalTier:
         mine = self.scan()
         newest = self.manager.latest_step() if self.rank == 0 else None
         seen = max([k.seg for k in (pieces.parse_key(p[1]) for p in mine) if k] + [self.seg])
-        if not self.dist:
-            return [mine], newest, seen, time.time_ns()
-        everyone: list = [None] * self.world
-        dist.all_gather_object(everyone, (mine, newest, seen, time.time_ns()),
-                               group=self.g_repl)
-        return ([e[0] for e in everyone], everyone[0][1], max(e[2] for e in everyone),
-                everyone[0][3])
+        everyone = self._gather([[list(p) for p in mine], newest, seen, time.time_ns()])
+        held = [[tuple(p) for p in e[0]] for e in everyone]
+        return held, everyone[0][1], max(e[2] for e in everyone), everyone[0][3]
 
     def candidates(self, held: list) -> list:
         """(step, key, {rank: [holders]}) of the saves whose pieces, one per
@@ -1353,11 +1453,19 @@ class LocalTier:
         return got
 
     def _outcomes(self, value: tuple) -> list:
+        return [tuple(v) for v in self._gather(list(value))]
+
+    def _gather(self, mine: Any) -> list:
+        """Every rank's ``mine`` (JSON), on every rank: the training
+        thread's collectives on the tier's group (the background threads
+        are idle meanwhile), through rank 0 as the rounds are."""
         if not self.dist:
-            return [value]
-        out: list = [None] * self.world
-        dist.all_gather_object(out, value, group=self.g_repl)
-        return out
+            return [mine]
+        try:
+            return self._star(self.w_main, -2, mine, lambda got: got, _MAX_META)
+        except _PeerError as e:
+            raise CheckpointError(f"dcpx.CheckpointManager: the local tier's ranks could not "
+                                  f"meet: {e.what} (rank {e.rank})") from None
 
     def _load_piece(self, state_dict: dict, s: int, key: str, reader_options: dict,
                     classify: Callable) -> tuple:

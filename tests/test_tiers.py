@@ -582,11 +582,11 @@ def test_space_needed(tmp_path):
 def _transfer(out, inc, flip=None):
     """What the wire does between an Outgoing and an Incoming, in one
     process; ``flip``: (file number, offset) of a byte damaged on the way."""
-    for i, (src, dst) in enumerate(zip(out.views(), inc.views())):
-        if src is not None:
-            dst[:] = src[:]
-            if flip is not None and flip[0] == i:
-                dst[flip[1]] ^= 0xFF
+    for i, (srcs, dsts) in enumerate(zip(out.views(), inc.views())):
+        for src, dst in zip(srcs, dsts):
+            dst[:] = src
+        if flip is not None and flip[0] == i:
+            dsts[0][flip[1]] ^= 0xFF
 
 
 def test_a_piece_moves_bit_exact_and_damage_is_refused(tmp_path):
@@ -615,7 +615,7 @@ def test_a_piece_moves_bit_exact_and_damage_is_refused(tmp_path):
         _transfer(out, inc)
         inc.commit()
         inc.close()
-    for name, _ in index:
+    for name, *_ in index:
         assert (tmp_path / "good" / "p" / name).read_bytes() == (piece / name).read_bytes()
     sd = state(0, 1, 0, zero=True)
     dcpx.load(sd, checkpoint_id=tmp_path / "good" / "p", no_dist=True)
@@ -796,7 +796,7 @@ def _lie_about_index_length(tiers, n: int) -> None:
                 return real(dst, kind, seq, payload)
             head = T._HDR.pack(T._MAGIC, T._VERSION, kind, w.me, seq, n, 0).ljust(T._HEAD, b"\0")
             msg = torch.frombuffer(bytearray(head + bytes(payload)), dtype=torch.uint8)
-            return [(dist.isend(msg, w.g[dst], group=w.group), dst, "x"), msg]
+            return [(w.group.send([msg], dst, 0), dst, "x"), msg]
         w.send = send
     else:  # before issue 31: the length went first, as a message of its own
         def post(out, dst):
@@ -954,6 +954,7 @@ if scenario == "crash":
         time.sleep(60)
     print(f"crashing at {time.time()}", flush=True)
     raise RuntimeError("the training step failed")
+dist.destroy_process_group()  # as scripts end, and no close(): the tier's groups are its own
 print("returning without close()", flush=True)
 """
 
@@ -995,9 +996,10 @@ def _run_script(work: Path, scenario: str, wait_for: tuple, timeout: float) -> l
 
 @pytest.mark.dist
 def test_the_last_persisting_save_lands_when_a_script_ends_without_close(tmp_path):
-    """save(3) is due for persistence and the script returns: at exit the
-    tier finishes it, as the plain manager's last save lands (both ranks
-    exit 0; step 3 is committed under root and loads)."""
+    """save(3) is due for persistence and the script destroys the process
+    group and returns: at exit the tier finishes it, as the plain manager's
+    last save lands (both ranks exit 0; step 3 is committed under root and
+    loads)."""
     out = _run_script(tmp_path, "return", (0, 1), 120)
     assert out[0][0] == 0 and out[1][0] == 0, out
     step = tmp_path / "root" / "step-3"
@@ -1017,3 +1019,33 @@ def test_a_crashed_rank_never_waits_at_exit_for_a_hung_partner(tmp_path):
     assert status == 1 and "the training step failed" in log and "abandoned" in log, out
     crashed = float(log.split("crashing at ")[1].split()[0])
     assert ended - crashed < 20, (ended - crashed, out)  # rank 1 answers in 60 s
+
+
+def test_a_record_the_receiver_holds_is_copied_on_its_node_not_sent(tmp_path):
+    """Data-parallel redundancy (issue 29, item 10): a tensor both ranks
+    saved with the same bytes (a DDP weight) is not sent with the replica;
+    the receiver copies it from its own piece, and the replica that commits
+    is byte for byte the sender's piece (and is checked like any other).  A
+    tensor of the same name with other bytes is sent."""
+    mine, theirs = tmp_path / "sender", tmp_path / "receiver"
+    big = value("w", 3, 1 << 16)
+    dcpx.save({"w": big, "same_name": value("a", 1), "own0": value("own0", 3)}, checkpoint_id=mine)
+    dcpx.save({"w": big.clone(), "same_name": value("a", 2), "own1": value("own1", 3)},
+              checkpoint_id=theirs)
+    offered = pieces.offer(theirs, pieces.read_metadata(theirs))
+    assert {e[0] for e in offered} == {"w", "same_name", "own1"}
+    with pieces.Outgoing(mine) as out:
+        skipped = out.skip_held(offered)
+        index = pieces.decode_index(pieces.encode_index(out.index), "x", len(offered))
+        holes = [h for e in index if len(e) > 2 for h in e[2]]
+        assert [offered[h[2]][0] for h in holes] == ["w"] and skipped == holes[0][1]
+        assert skipped > big.numel() * 4
+        inc = pieces.Incoming(tmp_path / "replica" / "p", index, "the test's replica")
+        _transfer(out, inc)
+        assert inc.fill_holes(theirs, offered) == skipped
+        inc.commit()
+        inc.close()
+    for name, *_ in index:
+        assert (tmp_path / "replica" / "p" / name).read_bytes() == (mine / name).read_bytes()
+    with pytest.raises(dcpx.CorruptCheckpointError, match="holes|index"):
+        pieces.decode_index(pieces.encode_index(index), "x", 0)  # holes nobody offered
