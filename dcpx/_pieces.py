@@ -201,27 +201,48 @@ def key_dirs(local_root: Path, job: str) -> dict:
     return out
 
 
-def remove_tree(path: Path) -> None:
+def remove_tree(path: Path, later: bool = False) -> Any:
     """Remove a step, key or piece folder: renamed first (it stops being one
     at once; several ranks of a node may race, the rename picks one), then
-    its files.  Gone already: nothing to do."""
+    its files -- on a thread of its own with ``later`` (freeing a step's
+    pages of node memory takes a while; a kill meanwhile leaves a
+    ``.deleting-`` folder, debris the next run removes; the thread is
+    returned, to be joined).  Gone already: nothing to do."""
     import shutil
     hidden = path.parent / f"{_DELETING}{path.name}-{uuid.uuid4().hex[:8]}"
     try:
         os.rename(path, hidden)
     except FileNotFoundError:
         return
+    if later:
+        import threading
+        t = threading.Thread(target=_remove_hidden, args=(hidden,), daemon=True,
+                             name="dcpx-delete")
+        t.start()
+        return t
     shutil.rmtree(hidden, ignore_errors=True)
+    return None
 
 
-def remove_key(path: Path) -> None:
-    """Remove a save key's folder, and its step folder once that is empty
-    (another job's keys, or a save arriving, keep it)."""
-    remove_tree(path)
+def _remove_hidden(hidden: Path) -> None:
+    import shutil
+    shutil.rmtree(hidden, ignore_errors=True)
+    if STEP_RE.match(hidden.parent.name):
+        try:
+            os.rmdir(hidden.parent)  # the step folder, once nothing else is in it
+        except OSError:
+            pass
+
+
+def remove_key(path: Path, later: bool = False) -> Any:
+    """Remove a save key's folder (see remove_tree), and its step folder
+    once that is empty (another job's keys or a save arriving keep it)."""
+    t = remove_tree(path, later)
     try:
         os.rmdir(path.parent)
     except OSError:
         pass
+    return t
 
 
 def remove_debris(local_root: Path) -> None:
@@ -284,14 +305,18 @@ def _close_maps(maps: list) -> None:
                 pass
 
 
-def archive_digest(view: Any) -> Optional[int]:
+def archive_digest(view: Any, read: Any = None) -> Optional[int]:
     """A record's fingerprint read from its zip archive's tail alone: the
     CRC-32 of its central directory and end records (every entry's name,
     size, CRC-32 and place).  Two records of one length with one digest
     hold the same bytes wherever the CRC-32s of their entries hold (the
-    receiver checks those after it copies).  None: not a zip archive."""
-    n = len(view)
-    tail = bytes(view[max(0, n - (1 << 16) - 22):])
+    receiver checks those after it copies).  None: not a zip archive.
+    ``view``: the record's bytes, or its length when ``read(offset, n)``
+    gives them (a file read at the record's place: only its tail is read)."""
+    n = view if read is not None else len(view)
+    get = read if read is not None else (lambda a, k: bytes(view[a:a + k]))
+    lo = max(0, n - (1 << 16) - 22)
+    tail = get(lo, n - lo)
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or len(tail) - at < 22:
         return None
@@ -302,12 +327,13 @@ def archive_digest(view: Any) -> Optional[int]:
         if loc < 0:
             return None
         end64 = int.from_bytes(tail[loc + 8:loc + 16], "little")
-        if not 0 <= end64 <= n - 56 or bytes(view[end64:end64 + 4]) != b"PK\x06\x06":
+        rec = get(end64, 56) if 0 <= end64 <= n - 56 else b""
+        if rec[:4] != b"PK\x06\x06":
             return None
-        cd_off = int.from_bytes(bytes(view[end64 + 48:end64 + 56]), "little")
-    if not 0 <= cd_off <= n:
+        cd_off = int.from_bytes(rec[48:56], "little")
+    if not 0 <= cd_off <= n or n - cd_off > (64 << 20):
         return None
-    return _C.crc32(view[cd_off:])
+    return _C.crc32(tail[cd_off - lo:] if cd_off >= lo else get(cd_off, n - cd_off))
 
 
 def offer(piece: Path, md: Any) -> list:
@@ -317,23 +343,22 @@ def offer(piece: Path, md: Any) -> list:
     receiver holds already (a data-parallel replica: DDP, HSDP), it says
     which of these to copy.  Reads only each record's archive tail."""
     out: list = []
-    maps: dict = {}
+    fds: dict = {}
     try:
         for index, info in md.storage_data.items():
             if type(md.state_dict_metadata.get(index.fqn)).__name__ != "TensorStorageMetadata":
                 continue
             rel = info.relative_path
-            if rel not in maps:
-                maps[rel] = _map(Path(piece) / rel)
-            mm = maps[rel]
-            if mm is None or info.offset + info.length > len(mm):
-                continue
-            digest = archive_digest(memoryview(mm)[info.offset:info.offset + info.length])
+            if rel not in fds:
+                fds[rel] = open_regular(Path(piece) / rel)
+            fd, base = fds[rel], info.offset
+            digest = archive_digest(info.length, lambda a, k: os.pread(fd, k, base + a))
             if digest is not None:
                 out.append([index.fqn, None if index.offset is None else list(index.offset),
                             info.length, digest])
     finally:
-        _close_maps(list(maps.values()))
+        for fd in fds.values():
+            os.close(fd)
     return out
 
 
@@ -342,9 +367,20 @@ def _map(path: Path) -> Any:
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
-        return mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        return _populate(mmap.mmap(fd, size, prot=mmap.PROT_READ), 22) if size else None
     finally:
         os.close(fd)
+
+
+def _populate(mm: Any, advice: int) -> Any:
+    """Map every page of ``mm`` now, in one call (MADV_POPULATE_READ 22 /
+    _WRITE 23, Linux 5.14+), instead of a fault per 4 KiB page as the
+    bytes are touched: three times faster on tmpfs.  Older kernels: as is."""
+    try:
+        mm.madvise(advice)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return mm
 
 
 class Outgoing:
@@ -540,7 +576,7 @@ class Incoming:
                     # Reserved now: a full disk is an OSError here, never a
                     # SIGBUS when the mapping is written.
                     os.posix_fallocate(fd, 0, size)
-                self.maps.append(mmap.mmap(fd, size) if size else None)
+                self.maps.append(_populate(mmap.mmap(fd, size), 23) if size else None)
         except BaseException:
             self.close()
             raise
@@ -590,10 +626,7 @@ class Incoming:
         """Check, sync and commit the piece; returns its Metadata."""
         assert self.tmp is not None
         md = verify_piece({e[0]: mm for e, mm in zip(self.index, self.maps)}, self.what)
-        for mm in self.maps:
-            if mm is not None and self.sync:
-                mm.flush()
-        for fd in self.fds:
+        for fd in self.fds:  # (the mapped pages too: they are the file's)
             if self.sync:
                 os.fsync(fd)
         self._release()

@@ -39,6 +39,7 @@ builds on.
 from __future__ import annotations
 
 import atexit
+import bisect
 import collections
 import json
 import os
@@ -252,13 +253,54 @@ class _Wire:
                     t[i:].copy_(scratch[:n - i])
             del t
 
-    def skip_views(self, src: int, sizes: list, what: str) -> None:
-        """Take the frames of files of ``sizes`` bytes and drop them (the
-        piece has nowhere to go here; the stream stays in step)."""
-        scratch = self.scratch()
-        for size in sizes:
-            for _ in range(0, size, _FRAME):
-                self._recv(scratch, src, what)
+    def pump(self, sends: list, recvs: list, what: str) -> None:
+        """Move byte streams both ways at once: ``sends`` ``[(dst,
+        [buffers])]``, ``recvs`` ``[(src, [writable buffers, or ints: bytes
+        to drop])]``.  A stream is its buffers end to end, cut in frames of
+        ``_FRAME`` bytes (the last one shorter), ``_WINDOW`` frames of each
+        stream in flight (round trips overlap; memory stays bounded).  A
+        frame that lies inside one buffer goes from or to it directly (a
+        whole frame only, on the receiving side); one that spans buffers
+        passes through a scratch frame.  Every receive is posted at
+        ``_FRAME`` bytes.  Frame i of every stream is posted before the
+        waits for frame i - _WINDOW + 1: a rank waits only for frames its
+        peers posted earlier, so no cycle of ranks waits for itself."""
+        outs = [_Stream(dst, views, False) for dst, views in sends]
+        ins = [_Stream(src, views, True) for src, views in recvs]
+        inflight: collections.deque = collections.deque()
+        n = max([s.frames for s in outs + ins] + [0])
+        for i in range(n):
+            posted = []
+            for st in outs:
+                if i < st.frames:
+                    t = st.frame_out(i)
+                    posted.append((st, i, self._isend(t, st.rank, what), t))
+            for st in ins:
+                if i < st.frames:
+                    t = st.frame_in(i)
+                    try:
+                        work = self.group.recv([t], st.rank, 0)
+                    except RuntimeError as e:
+                        raise self._gloo(st.rank, what, e) from e
+                    posted.append((st, i, work, t))
+            inflight.append(posted)
+            if len(inflight) >= _WINDOW:
+                self._settle(inflight.popleft(), what)
+        while inflight:
+            self._settle(inflight.popleft(), what)
+
+    def _settle(self, posted: list, what: str) -> None:
+        """Wait for one frame of each stream: the receives first (their
+        bytes scattered where they go), then the sends."""
+        for st, i, work, t in sorted(posted, key=lambda p: not p[0].incoming):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                raise self._gloo(st.rank, what, e) from e
+            if st.incoming:
+                st.landed(i, t)
+            else:
+                st.sent(i)
 
     def recv(self, src: int, kinds: tuple, seq: Optional[int], limit: int) -> tuple:
         """The next message from ``src``: ``(kind, payload bytes)``.  A
@@ -293,6 +335,74 @@ class _Wire:
             raise bad(f"its {_KIND_NAMES[kind]} fails its CRC-32 (it sent fewer bytes than it "
                       f"announced, or others)")
         return kind, payload
+
+
+#: frames of one stream in flight at once (Wire.pump)
+_WINDOW = 4
+
+
+class _Stream:
+    """One byte stream of _Wire.pump: its buffers end to end, in frames."""
+
+    def __init__(self, rank: int, views: list, incoming: bool) -> None:
+        self.rank, self.incoming = rank, incoming
+        self.views = [v for v in views if (v if isinstance(v, int) else len(v))]
+        self.starts, total = [], 0
+        for v in self.views:
+            self.starts.append(total)
+            total += v if isinstance(v, int) else len(v)
+        self.total = total
+        self.frames = -(-total // _FRAME)
+        self.scratch: list = []   # frames that span buffers pass through these
+
+    def parts(self, i: int) -> list:
+        """(buffer, start, end, offset in the frame) of frame ``i``."""
+        lo, hi = i * _FRAME, min((i + 1) * _FRAME, self.total)
+        k = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        out = []
+        while k < len(self.views) and self.starts[k] < hi:
+            v = self.views[k]
+            size = v if isinstance(v, int) else len(v)
+            a, b = max(lo, self.starts[k]) - self.starts[k], min(hi, self.starts[k] + size) - self.starts[k]
+            if b > a:
+                out.append((v, a, b, self.starts[k] + a - lo))
+            k += 1
+        return out
+
+    def _slot(self, i: int) -> torch.Tensor:
+        while len(self.scratch) <= i % _WINDOW:
+            self.scratch.append(torch.empty(_FRAME, dtype=torch.uint8))
+        return self.scratch[i % _WINDOW]
+
+    def frame_out(self, i: int) -> torch.Tensor:
+        parts = self.parts(i)
+        if len(parts) == 1:  # straight from the buffer (the page cache)
+            v, a, b, _ = parts[0]
+            return _tensor_of(v[a:b])
+        t = self._slot(i)
+        flat = memoryview(t.numpy()).cast("B")
+        for v, a, b, at in parts:
+            flat[at:at + b - a] = v[a:b]
+        return t[:min(_FRAME, self.total - i * _FRAME)]
+
+    def frame_in(self, i: int) -> torch.Tensor:
+        parts = self.parts(i)
+        if len(parts) == 1 and not isinstance(parts[0][0], int) and parts[0][2] - parts[0][1] == _FRAME:
+            v, a, b, _ = parts[0]
+            return torch.frombuffer(v[a:b], dtype=torch.uint8)
+        return self._slot(i)
+
+    def landed(self, i: int, t: torch.Tensor) -> None:
+        parts = self.parts(i)
+        if len(parts) == 1 and not isinstance(parts[0][0], int) and parts[0][2] - parts[0][1] == _FRAME:
+            return
+        flat = memoryview(t.numpy()).cast("B")
+        for v, a, b, at in parts:
+            if not isinstance(v, int):
+                v[a:b] = flat[at:at + b - a]
+
+    def sent(self, i: int) -> None:
+        pass
 
 
 def _aborted(answer: Any) -> Any:
@@ -576,6 +686,7 @@ class LocalTier:
         self._errors: list = []                # failures to raise at the next call
         self._broken: Optional[CheckpointError] = None  # the tier's groups failed
         self._broken_told = False
+        self._deleting: list = []               # threads removing old steps
         self.closed = False
         self._repl = _Pipeline("dcpx-replicate", self._replication_round)
         self._persist = _Pipeline("dcpx-persist", self._persistence_round)
@@ -705,11 +816,14 @@ class LocalTier:
         self._raise_pending()
 
     def wait_persisted(self) -> None:
-        """Wait for the last local save and every queued replication and
-        persistence; raise what they found for this rank."""
+        """Wait for the last local save, every queued replication and
+        persistence and the deletions of old steps; raise what they found
+        for this rank."""
         self._report_local(self._last)
         self._repl.drain()
         self._persist.drain()
+        for t in list(self._deleting):
+            t.join()
         self._raise_pending()
 
     def close(self) -> None:
@@ -864,6 +978,9 @@ class LocalTier:
             upload = Future()
             upload.set_exception(error)
             times["local"] = f"not saved: {error}"
+        else:  # when the piece committed, not when a thread looked
+            upload.add_done_callback(
+                lambda f, times=times: times.__setitem__("local_s", time.monotonic() - t0))
         job = _Job(step, key, self.seq, upload, t0, persist, user_metadata, error is not None)
         self._last = job
         # Queued even when nothing was saved: the other ranks' rounds take
@@ -882,7 +999,6 @@ class LocalTier:
         time and size.  Whether it committed."""
         err = self._local_error(job)
         times = self._times(job.step)
-        times["local_s"] = time.monotonic() - job.t0
         if err is not None:
             times.setdefault("local", f"failed: {err}")
             return False
@@ -1065,23 +1181,19 @@ class LocalTier:
                     self._push_error(CheckpointError(
                         f"dcpx.CheckpointManager: this rank's piece of step {job.step} does not "
                         f"read, so it was not replicated: {e}"))
+            what = f"the replica of rank {src}'s piece of step {job.step}"
             try:
-                posted += self._post_piece(w, out, dst, job.seq)
-                what = f"the replica of rank {src}'s piece of step {job.step}"
-                try:
-                    got[str(src)] = "ok" if self._recv_piece(
-                        w, src, self._piece(job.step, job.key, src), what, job.seq,
-                        own if md is not None else None, mine) else "none"
-                except (OSError, CheckpointError) as e:  # this node's: reported, in step
-                    err = self._wrap_full(e, f"receiving {what}")
-                    self._push_error(err if isinstance(err, CheckpointError) else CheckpointError(
-                        f"dcpx.CheckpointManager: receiving {what} failed: {err}"))
-                    got[str(src)] = f"{type(err).__name__}: {err}"[:500]
+                status = self._transfer(w, job.seq, [(dst, out)],
+                                        (src, self._piece(job.step, job.key, src), what,
+                                         own if md is not None else None, mine))
                 w.wait(posted)
-                del posted
             finally:
                 if out is not None:
                     out.close()
+            if status not in ("ok", "none"):  # this node's: reported, in step
+                self._push_error(status)
+                status = f"{type(status).__name__}: {status}"[:500]
+            got[str(src)] = status
         times = self._times(job.step)
         times["sent_bytes"], times["reused_bytes"] = sent, reused
         return got
@@ -1103,51 +1215,66 @@ class LocalTier:
         for step, paths in pieces.key_dirs(self.local, self.job).items():
             if step < newest and step not in kept and step not in busy:
                 for path in paths:
-                    pieces.remove_key(path)
+                    t = pieces.remove_key(path, later=True)
+                    if t is not None:
+                        self._deleting.append(t)
+        self._deleting = [t for t in self._deleting if t.is_alive()]
         with self._lock:
             self._saved = [(s, k) for s, k in self._saved if s in kept or s >= newest]
 
     # ------------------------------------------------- pieces on the wire
-    def _post_piece(self, wire: _Wire, out: Optional[Any], dst: int, seq: int) -> list:
-        """Post the messages of a piece (``out``: a pieces.Outgoing, or None
-        for "no piece") to ``dst``: its index, then each file's bytes (but
-        its holes) from its mapping.  Returns what wire.wait takes (keep it
-        until then)."""
-        if out is None:
-            return wire.send(dst, _NOPIECE, seq)
-        return (wire.send(dst, _PIECE, seq, pieces.encode_index(out.index))
-                + wire.send_views(dst, [v for views in out.views() for v in views]))
-
-    def _recv_piece(self, wire: _Wire, src: int, dest: Path, what: str, seq: int,
-                    own: Optional[Path] = None, offered: Optional[list] = None) -> bool:
-        """Receive a piece from ``src`` into ``dest``, its holes filled from
-        this rank's own piece ``own`` (the records it ``offered``), checked
-        and committed there; False when ``src`` said it has none.  An index
-        that is not a piece's is ``src``'s protocol error (_PeerError); no
-        room here, or a piece that fails its checks, is this rank's (OSError
-        or CheckpointError), with every byte ``src`` sent taken."""
-        kind, payload = wire.recv(src, (_PIECE, _NOPIECE), seq, _MAX_INDEX)
-        if kind == _NOPIECE:
-            return False
-        offered = offered or []
+    def _transfer(self, wire: _Wire, seq: int, sends: list, recv: Optional[tuple]) -> Any:
+        """Move pieces: to each ``(dst, pieces.Outgoing or None)`` of
+        ``sends`` its index (or "no piece") and bytes, and from ``recv`` --
+        ``(src, dest, what, own piece or None, own offer)`` -- one piece into
+        ``dest``, its holes filled from this rank's own piece, checked and
+        committed there.  The bytes of both ways move at once (_Wire.pump).
+        Returns, for ``recv``, "ok", "none" (``src`` has none) or this
+        rank's own failure (no room, a piece that fails its checks: an
+        OSError or CheckpointError, with every byte ``src`` sent taken);
+        raises _PeerError when ``src`` breaks the protocol or a peer does
+        not answer."""
+        posted: list = []
+        for dst, out in sends:
+            posted += (wire.send(dst, _NOPIECE, seq) if out is None
+                       else wire.send(dst, _PIECE, seq, pieces.encode_index(out.index)))
+        outgoing = [(dst, [v for views in out.views() for v in views])
+                    for dst, out in sends if out is not None]
+        incoming: list = []
+        inc, status = None, "none"
+        if recv is not None:
+            src, dest, what, own, offered = recv
+            kind, payload = wire.recv(src, (_PIECE, _NOPIECE), seq, _MAX_INDEX)
+            if kind == _PIECE:
+                try:
+                    index = pieces.decode_index(payload, what, len(offered or []) if own else 0)
+                except CorruptCheckpointError as e:
+                    raise _PeerError(src, f"rank {src} broke the tier's protocol: {e}",
+                                     protocol=True) from None
+                try:
+                    inc = pieces.Incoming(dest, index, what, self.sync_files)
+                    incoming = [(src, [v for views in inc.views() for v in views])]
+                except (OSError, CheckpointError) as e:  # every byte is still taken
+                    status = self._wrap_full(e, f"receiving {what}")
+                    incoming = [(src, [b - a for e in index for a, b in pieces.segments(e)])]
         try:
-            index = pieces.decode_index(payload, what, len(offered) if own else 0)
-        except CorruptCheckpointError as e:
-            raise _PeerError(src, f"rank {src} broke the tier's protocol: {e}",
-                             protocol=True) from None
-        try:
-            inc = pieces.Incoming(dest, index, what, self.sync_files)
-        except BaseException:
-            wire.skip_views(src, [b - a for e in index for a, b in pieces.segments(e)], what)
-            raise
-        try:
-            wire.recv_views(src, [v for views in inc.views() for v in views])
-            if own is not None:
-                inc.fill_holes(own, offered)
-            inc.commit()
+            wire.pump(outgoing, incoming, "sending or receiving a piece's bytes")
+            del outgoing, incoming
+            if inc is not None:
+                try:
+                    if own is not None:
+                        inc.fill_holes(own, offered)
+                    inc.commit()
+                    status = "ok"
+                except (OSError, CheckpointError) as e:
+                    status = self._wrap_full(e, f"receiving {what}")
         finally:
-            inc.close()
-        return True
+            if inc is not None:
+                inc.close()
+        wire.wait(posted)
+        if isinstance(status, OSError) and not isinstance(status, CheckpointError):
+            status = CheckpointError(f"dcpx.CheckpointManager: receiving {what} failed: {status}")
+        return status
 
     # ------------------------------------------------------------ persist
     def _done_persisting(self, step: int) -> None:
@@ -1430,27 +1557,24 @@ class LocalTier:
         None when this rank received none or its piece arrived intact, else
         why not (a damaged replica: the caller tries another holder)."""
         w = self.w_main
-        outs, posted = [], []
-        got: Optional[str] = None
+        outs: list = []
         try:
             for dst, src in moves:
                 if self.rank == src:
-                    out = pieces.Outgoing(self._piece(step, key, dst))
-                    outs.append(out)
-                    posted += self._post_piece(w, out, dst, 0)
+                    outs.append((dst, pieces.Outgoing(self._piece(step, key, dst))))
+            recv = None
             for dst, src in moves:
                 if self.rank == dst:
                     what = f"rank {src}'s replica of rank {dst}'s piece of step {step}"
-                    try:
-                        if not self._recv_piece(w, src, self._piece(step, key), what, 0):
-                            got = f"{what}: rank {src} sent none"
-                    except (OSError, CheckpointError) as e:
-                        got = f"{type(e).__name__}: {e}"
-            w.wait(posted)
+                    recv = (src, self._piece(step, key), what, None, None)
+            status = self._transfer(w, 0, outs, recv)
         finally:
-            for out in outs:
+            for _, out in outs:
                 out.close()
-        return got
+        if recv is None or status == "ok":
+            return None
+        return f"{what}: rank {src} sent none" if status == "none" else \
+            f"{type(status).__name__}: {status}"
 
     def _outcomes(self, value: tuple) -> list:
         return [tuple(v) for v in self._gather(list(value))]
