@@ -53,6 +53,8 @@ KEY_RE = re.compile(r"^j([0-9a-f]{8})-g([0-9a-f]{1,32})-b(x|([0-9a-f]{1,32})\.(0
 PIECE_RE = re.compile(r"^rank-(0|[1-9][0-9]*)-of-([1-9][0-9]*)$")
 _FILE_RE = re.compile(r"^(\.metadata|__\d+_[0-9a-f_]+\.distcp|__\d+_\d+\.distcp)$")
 _INCOMING = ".incoming-"
+#: in a replica: where its holes' bytes are (records of the receiver's own piece)
+HOLES = ".holes"
 _DELETING = ".deleting-"
 #: records start at this alignment in a data file (docs/format.md)
 _ALIGN = 64
@@ -394,6 +396,8 @@ class Outgoing:
         self.piece = Path(piece)
         self.maps: list = []
         self.index: list = []
+        self.fill: dict = {}     # file -> [(offset, length, source buffer)]: a replica's holes
+        self.sources: list = []  # maps of the piece a replica's holes are in
         names = sorted(n for n in os.listdir(piece) if _FILE_RE.match(n))
         if ".metadata" not in names:
             raise CorruptCheckpointError(f"{piece}: not a committed piece (no .metadata)")
@@ -402,9 +406,39 @@ class Outgoing:
                 mm = _map(self.piece / n)
                 self.maps.append(mm)
                 self.index.append([n, 0 if mm is None else len(mm)])
+            if os.path.exists(self.piece / HOLES):
+                self._holes(dict(zip(names, self.maps)))
         except BaseException:
             self.close()
             raise
+
+    def _holes(self, maps: dict) -> None:
+        """A replica with holes: their bytes are read from the records of the
+        receiver's own piece beside it, named in its ``.holes``."""
+        what = f"{self.piece}: {HOLES}"
+        try:
+            got = json.loads(read_regular(self.piece / HOLES))
+            src = self.piece.parent / got["from"]
+            holes = got["holes"]
+            assert PIECE_RE.match(src.name) and isinstance(holes, list)
+        except Exception as e:  # noqa: BLE001 - any damage is the same refusal
+            raise CorruptCheckpointError(f"{what} does not read: {e!r}") from None
+        opened: dict = {}
+        for h in holes:
+            ok = (isinstance(h, list) and len(h) == 5 and h[0] in maps and isinstance(h[3], str)
+                  and _FILE_RE.match(h[3]) and all(type(x) is int for x in (h[1], h[2], h[4])))
+            if ok and h[3] not in opened:
+                opened[h[3]] = _map(src / h[3])
+                self.sources.append(opened[h[3]])
+            size = len(maps[h[0]] or b"") if ok else 0
+            source = opened.get(h[3]) if ok else None
+            if not (ok and source is not None and 0 <= h[1] and 0 < h[2] <= size - h[1]
+                    and 0 <= h[4] and h[2] <= len(source) - h[4]):
+                raise CorruptCheckpointError(f"{what} names {str(h)[:200]}: not a record of "
+                                             f"{src.name}")
+            self.fill.setdefault(h[0], []).append((h[1], h[2], memoryview(source)[h[4]:h[4] + h[2]]))
+        for v in self.fill.values():
+            v.sort(key=lambda x: x[0])
 
     def skip_held(self, held: list, md: Any = None) -> int:
         """Mark the records ``held`` (a receiver's :func:`offer`) that this
@@ -437,17 +471,35 @@ class Outgoing:
         return saved
 
     def views(self) -> list:
-        """Per file of the index, the buffers to send: the file's bytes
-        outside its holes (read-only; none for an empty file)."""
+        """Per file of the index, the buffers to send, read-only: the file's
+        bytes outside the holes the receiver fills itself; where this piece
+        is a replica with holes of its own, their bytes from the piece they
+        are in."""
         out = []
         for entry, mm in zip(self.index, self.maps):
-            out.append([] if mm is None else
-                       [memoryview(mm)[a:b] for a, b in segments(entry)])
+            if mm is None:
+                out.append([])
+                continue
+            views = []
+            for a, b in segments(entry):
+                pos = a
+                for off, length, src in self.fill.get(entry[0], ()):
+                    if off + length <= pos or off >= b:
+                        continue
+                    if off > pos:
+                        views.append(memoryview(mm)[pos:off])
+                    lo, hi = max(off, pos), min(off + length, b)
+                    views.append(src[lo - off:hi - off])
+                    pos = hi
+                if pos < b:
+                    views.append(memoryview(mm)[pos:b])
+            out.append(views)
         return out
 
     def close(self) -> None:
-        _close_maps(self.maps)
-        self.maps = []
+        self.fill = {}
+        _close_maps(self.maps + self.sources)
+        self.maps, self.sources = [], []
 
     def __enter__(self) -> "Outgoing":
         return self
@@ -512,16 +564,19 @@ def _holes_ok(holes: Any, size: int, offered: int) -> bool:
     return True
 
 
-def verify_piece(files: dict, what: str) -> Any:
+def verify_piece(files: dict, what: str, skip: Any = ()) -> Any:
     """Check a piece held in ``files`` (``{name: buffer or None}``) against
     its own checksums: the ``.metadata`` trailer, and every record the
     metadata names -- inside its file, a tensor's bytes matching the CRC-32
     of its archive (the CRC pass the receiver makes anyway), any other
-    value's archive every CRC-32 of it.  Returns the Metadata; raises
-    CorruptCheckpointError naming ``what`` and the record."""
+    value's archive every CRC-32 of it -- but those at ``skip`` ((file,
+    offset): holes, the receiver's own records).  Returns the Metadata;
+    raises CorruptCheckpointError naming ``what`` and the record."""
     raw = files.get(".metadata")
     md = _metadata.loads(bytes(raw) if raw is not None else b"", f"{what}: .metadata")
     for index, info in md.storage_data.items():
+        if (info.relative_path, info.offset) in skip:
+            continue
         rel = info.relative_path
         if not (isinstance(rel, str) and _FILE_RE.match(rel) and rel in files):
             raise CorruptCheckpointError(f"{what}: record {index.fqn!r} is in {rel!r}, which "
@@ -568,15 +623,26 @@ class Incoming:
             if free is not None and need > free:
                 raise OSError(errno.ENOSPC, f"{what}: {need} bytes do not fit in the "
                               f"{free} free", str(self.dest.parent))
-            for name, size, *_ in index:
+            for entry in index:
+                name, size = entry[0], entry[1]
                 fd = os.open(self.tmp / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                              0o644)
                 self.fds.append(fd)
-                if size:
+                if not size:
+                    self.maps.append(None)
+                    continue
+                os.ftruncate(fd, size)  # the holes stay holes: no memory, no disk
+                mm = mmap.mmap(fd, size)
+                self.maps.append(mm)
+                for a, b in segments(entry):
                     # Reserved now: a full disk is an OSError here, never a
                     # SIGBUS when the mapping is written.
-                    os.posix_fallocate(fd, 0, size)
-                self.maps.append(_populate(mmap.mmap(fd, size), 23) if size else None)
+                    os.posix_fallocate(fd, a, b - a)
+                    lo = a - a % mmap.PAGESIZE
+                    try:
+                        mm.madvise(23, lo, b - lo)  # MADV_POPULATE_WRITE (see _populate)
+                    except (OSError, ValueError, AttributeError):
+                        pass
         except BaseException:
             self.close()
             raise
@@ -587,45 +653,41 @@ class Incoming:
         return [[] if mm is None else [memoryview(mm)[a:b] for a, b in segments(entry)]
                 for entry, mm in zip(self.index, self.maps)]
 
-    def fill_holes(self, own: Path, offered: list) -> int:
-        """Copy into the holes the records of this rank's own piece ``own``
-        it offered (``offered``: its :func:`offer`); returns the bytes
-        copied.  What lands is checked by :meth:`commit` like the rest."""
-        holes = [(k, h) for k, entry in enumerate(self.index) if len(entry) > 2
-                 for h in entry[2]]
+    def keep_holes(self, own: Path, offered: list) -> int:
+        """Record where the holes' bytes are: in the records of this rank's
+        own piece ``own`` (a sibling folder of the same save) that it
+        ``offered`` (its :func:`offer`).  They are not copied: the replica's
+        files keep holes there and its ``.holes`` names the records, which
+        an Outgoing of the replica sends in their place.  Returns the bytes
+        left as holes."""
+        holes = [(entry[0], h) for entry in self.index if len(entry) > 2 for h in entry[2]]
         if not holes:
             return 0
+        assert self.tmp is not None
+        if Path(own).parent != self.dest.parent:
+            raise CorruptCheckpointError(f"{self.what}: its holes must point into a piece of "
+                                         f"the same save")
         md = read_metadata(own)
         where = {(i.fqn, None if i.offset is None else tuple(i.offset)): info
                  for i, info in md.storage_data.items()}
-        fds: dict = {}
-        copied = 0
-        try:
-            for k, (off, length, i) in holes:
-                fqn, offsets = offered[i][0], offered[i][1]
-                info = where.get((fqn, None if offsets is None else tuple(offsets)))
-                if info is None or info.length != length:
-                    raise CorruptCheckpointError(f"{self.what}: its record {fqn!r} is to be "
-                                                 f"copied from this rank's piece, which lacks it")
-                if info.relative_path not in fds:
-                    fds[info.relative_path] = open_regular(Path(own) / info.relative_path)
-                dst = memoryview(self.maps[k])[off:off + length]
-                got = 0
-                while got < length:
-                    n = os.preadv(fds[info.relative_path], [dst[got:]], info.offset + got)
-                    if n <= 0:
-                        raise CorruptCheckpointError(f"{own}: {info.relative_path} ends early")
-                    got += n
-                copied += length
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        return copied
+        out = []
+        for name, (off, length, i) in holes:
+            fqn, offsets = offered[i][0], offered[i][1]
+            info = where.get((fqn, None if offsets is None else tuple(offsets)))
+            if info is None or info.length != length:
+                raise CorruptCheckpointError(f"{self.what}: its record {fqn!r} is to be "
+                                             f"read from this rank's piece, which lacks it")
+            out.append([name, off, length, info.relative_path, info.offset])
+        with open(self.tmp / HOLES, "x") as f:
+            json.dump({"from": Path(own).name, "holes": out}, f)
+        self.skip = {(h[0], h[1]) for h in out}
+        return sum(h[2] for h in out)
 
     def commit(self) -> Any:
         """Check, sync and commit the piece; returns its Metadata."""
         assert self.tmp is not None
-        md = verify_piece({e[0]: mm for e, mm in zip(self.index, self.maps)}, self.what)
+        md = verify_piece({e[0]: mm for e, mm in zip(self.index, self.maps)}, self.what,
+                          getattr(self, "skip", ()))
         for fd in self.fds:  # (the mapped pages too: they are the file's)
             if self.sync:
                 os.fsync(fd)

@@ -1021,13 +1021,15 @@ def test_a_crashed_rank_never_waits_at_exit_for_a_hung_partner(tmp_path):
     assert ended - crashed < 20, (ended - crashed, out)  # rank 1 answers in 60 s
 
 
-def test_a_record_the_receiver_holds_is_copied_on_its_node_not_sent(tmp_path):
+def test_a_record_the_receiver_holds_is_neither_sent_nor_copied(tmp_path):
     """Data-parallel redundancy (issue 29, item 10): a tensor both ranks
-    saved with the same bytes (a DDP weight) is not sent with the replica;
-    the receiver copies it from its own piece, and the replica that commits
-    is byte for byte the sender's piece (and is checked like any other).  A
-    tensor of the same name with other bytes is sent."""
-    mine, theirs = tmp_path / "sender", tmp_path / "receiver"
+    saved with the same bytes (a DDP weight) is not sent with the replica,
+    nor copied: the replica keeps a hole there and names the receiver's own
+    record (its ``.holes``), checked before the hole was accepted (same
+    length, same archive digest).  Sent on (a resume's fetch), the replica
+    is byte for byte the sender's piece.  A tensor of the same name with
+    other bytes is sent."""
+    mine, theirs = tmp_path / "rank-0-of-2", tmp_path / "rank-1-of-2"
     big = value("w", 3, 1 << 16)
     dcpx.save({"w": big, "same_name": value("a", 1), "own0": value("own0", 3)}, checkpoint_id=mine)
     dcpx.save({"w": big.clone(), "same_name": value("a", 2), "own1": value("own1", 3)},
@@ -1040,12 +1042,19 @@ def test_a_record_the_receiver_holds_is_copied_on_its_node_not_sent(tmp_path):
         holes = [h for e in index if len(e) > 2 for h in e[2]]
         assert [offered[h[2]][0] for h in holes] == ["w"] and skipped == holes[0][1]
         assert skipped > big.numel() * 4
-        inc = pieces.Incoming(tmp_path / "replica" / "p", index, "the test's replica")
+        replica = tmp_path / "replica-of-0"
+        inc = pieces.Incoming(replica, index, "the test's replica")
         _transfer(out, inc)
-        assert inc.fill_holes(theirs, offered) == skipped
+        assert inc.keep_holes(theirs, offered) == skipped
         inc.commit()
         inc.close()
-    for name, *_ in index:
-        assert (tmp_path / "replica" / "p" / name).read_bytes() == (mine / name).read_bytes()
+    data = next(n for n, *_ in index if n.endswith(".distcp"))
+    assert os.stat(replica / data).st_blocks * 512 < (mine / data).stat().st_size - skipped // 2
+    with pieces.Outgoing(replica) as out:  # as a fetch sends it
+        for (name, *_), views in zip(out.index, out.views()):
+            assert b"".join(bytes(v) for v in views) == (mine / name).read_bytes(), name
     with pytest.raises(dcpx.CorruptCheckpointError, match="holes|index"):
         pieces.decode_index(pieces.encode_index(index), "x", 0)  # holes nobody offered
+    shutil.rmtree(theirs)  # where the holes' bytes are: the replica cannot be sent whole
+    with pytest.raises((dcpx.CorruptCheckpointError, OSError)):
+        pieces.Outgoing(replica)
