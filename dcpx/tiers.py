@@ -474,21 +474,6 @@ class _Job:
         self.reported = reported
 
 
-#: how much nicer than the training thread the tier's threads run (Linux:
-#: a thread's own nice value): on a host short of cores, a save's staging
-#: and the training's own threads get the CPU first, and replication falls
-#: behind (skipping steps, as it does) instead of slowing the training
-_NICE = 10
-
-
-def _lower_priority() -> None:
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _NICE))
-    except (AttributeError, OSError):  # not Linux, or not allowed: as it is
-        pass
-
-
 class _Pipeline:
     """A daemon thread that works through queued jobs (``work(pipeline)``
     takes them, several at a time when it is behind).  Daemon: the process
@@ -534,7 +519,6 @@ class _Pipeline:
             return bool(self.jobs) or self.busy
 
     def _run(self) -> None:
-        _lower_priority()
         while True:
             with self.cv:
                 while not self.jobs and not self.stopped:
