@@ -53,7 +53,9 @@ from .formats.byteorder import (
 )  # noqa: F401  (the CLI's torch.save source)
 from .coordination.flatten import flatten_state_dict  # noqa: F401  (the CLI reads torch.save files by it)
 from .formats.safetensors import is_raw  # noqa: F401  (a SAFETENSORS tensor's resolved entry)
-from .storage.reader import FileSystemReader, check_castable, check_zip_crcs  # noqa: F401
+from .formats.files import check_zip_crcs  # noqa: F401  (dcpx verify, the tier)
+from ._C import crc32  # noqa: F401  (the tier's checked messages)
+from .storage.reader import FileSystemReader, check_castable  # noqa: F401
 from ._torchcompat import (  # noqa: F401  (convert's torch.save writer)
     torch_file_writer, torch_save_alignment, torch_save_header)
 from .storage.writer import FileSystemWriter, _path_key, _RankPath, complete_metadata  # noqa: F401

@@ -23,7 +23,7 @@ import torch
 
 import dcpx
 from dcpx.filesystem import pieces
-from dcpx.tiers import LocalTierFullError, Topology
+from dcpx.manager.tiers import LocalTierFullError, Topology
 
 from dist_helpers import spawn, spawn_outcomes
 
@@ -71,13 +71,13 @@ def check_state(sd: dict, rank: int, step: int, resharded: bool = False) -> None
         assert local.equal(full[r * n:(r + 1) * n]), ("dt", step)
 
 
-def manager(rank: int, world: int, workdir: str, per_node: int = 2, **kw):
+def manager(rank: int, world: int, workdir: str, per_node: int = 2, root: str = "root", **kw):
     node = rank // per_node
     opts = dict(local_root=os.path.join(workdir, f"node{node}"), node=f"node{node}",
                 replicas=1, persist_interval_steps=5, keep_local_k=2, keep_latest_k=3,
                 tier_timeout_s=20)
     opts.update(kw)
-    return dcpx.CheckpointManager(os.path.join(workdir, "root"), **opts)
+    return dcpx.CheckpointManager(os.path.join(workdir, root), **opts)
 
 
 def _mesh(world: int):
@@ -89,10 +89,11 @@ def _mesh(world: int):
 
 def train(rank: int, world: int, workdir: str, steps: int, kill_at_end: bool,
           kill_after_s: float = 0.0, step_s: float = 0.0) -> list:
-    """Save every step; with ``kill_at_end`` every rank SIGKILLs itself once
-    the last step is replicated everywhere (the job dies); with
-    ``kill_after_s`` each rank is SIGKILLed at that moment, wherever its
-    saves are."""
+    """Save every step; with ``kill_at_end`` every step is replicated before
+    the next save (a known layout: no step skipped because replication fell
+    behind) and every rank SIGKILLs itself once the last step is replicated
+    everywhere (the job dies); with ``kill_after_s`` each rank is SIGKILLed
+    at that moment, wherever its saves are."""
     import torch.distributed as dist
     if kill_after_s:
         def die():
@@ -106,6 +107,8 @@ def train(rank: int, world: int, workdir: str, steps: int, kill_at_end: bool,
         resp = m.save(step, sd)
         if hasattr(resp, "staging_completion"):
             resp.staging_completion.result()
+        if kill_at_end:
+            m._tiers.wait_replicated()
         if step_s:
             time.sleep(step_s)
     m._tiers.wait_replicated()
@@ -136,12 +139,56 @@ def resume(rank: int, world: int, workdir: str, per_node: int, save_more: int = 
     return {"step": got, **how}
 
 
-def resume_each(rank: int, world: int, runs: list) -> list:
+def resume_each(rank: int, world: int, runs: list, earlier: tuple) -> tuple:
     """resume() in each of ``runs`` ((workdir, per_node, save_more)), one
-    after the other in one job: a spawn of 4 interpreters costs more than
-    the resumes."""
+    after the other in one job, then earlier_runs(*earlier): a spawn of 4
+    interpreters costs more than the resumes."""
     mesh = _mesh(world)
-    return [resume(rank, world, w, per_node, more, mesh=mesh) for w, per_node, more in runs]
+    out = [resume(rank, world, w, per_node, more, mesh=mesh) for w, per_node, more in runs]
+    return out, earlier_runs(rank, world, *earlier, mesh=mesh)
+
+
+def earlier_runs(rank: int, world: int, workdir: str, trained: str, mesh) -> dict:
+    """Run A (``trained``) left its steps in the node folders of ``workdir``
+    (a copy of them).  Run B starts there without a load and saves steps 1-7
+    with other values; its step 7 is only partly written (its pieces on node
+    1 and their replicas on node 0 are gone) when node 1 brings back its
+    folder of run A's step 7 (complete by itself: node 1's 2 pieces and node
+    0's replicas).  Run C resumes; then a manager of another job (another
+    root) that shares the local folders."""
+    import torch.distributed as dist
+    out: dict = {}
+    m = manager(rank, world, workdir, persist_interval_steps=None)
+    for step in range(1, 8):
+        m.save(step, state(rank, world, step + 100, mesh))  # other values
+        m._tiers.wait_replicated()
+        if step == 1:
+            out["after_first_save"] = m.local_steps()
+    m.close()
+    dist.barrier()
+    if rank == 0:
+        work, old = Path(workdir), Path(trained)
+        for key in os.listdir(work / "node1" / "step-7"):
+            shutil.rmtree(work / "node1" / "step-7" / key)
+        for key in os.listdir(work / "node0" / "step-7"):
+            for p in ("rank-2-of-4", "rank-3-of-4"):
+                shutil.rmtree(work / "node0" / "step-7" / key / p)
+        for key in os.listdir(old / "node1" / "step-7"):
+            shutil.copytree(old / "node1" / "step-7" / key, work / "node1" / "step-7" / key)
+    dist.barrier()
+    for run, root in (("C", "root"), ("another job", "other-root")):
+        m = manager(rank, world, workdir, persist_interval_steps=None, root=root)
+        sd = state(rank, world, 0, mesh, zero=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = m.load(sd)
+        if got is not None:
+            check_state(sd, rank, got + 100)  # run B's values, never run A's
+        out[run] = {"step": got, "tier": (m.last_resume or {}).get("tier"),
+                    "warnings": [str(w.message) for w in caught
+                                 if issubclass(w.category, dcpx.manager.StepSkippedWarning)]}
+        m.close()
+    return out
 
 
 # --------------------------------------------------------- multi-rank tests
@@ -165,7 +212,7 @@ def _copy(trained: Path, tmp_path: Path) -> Path:
 @pytest.mark.dist
 def test_layout_after_the_run(trained):
     root = trained / "root"
-    assert sorted(os.listdir(root)) == ["step-5"]
+    assert sorted(os.listdir(root)) == [pieces.JOB_FILE, "step-5"]  # and the job's id
     for node in (0, 1):
         listed = pieces.scan(trained / f"node{node}")
         steps = sorted({s for s, _, _, _ in listed})
@@ -195,14 +242,29 @@ def _lose_node1_and_step7_replicas(work: Path) -> None:
             shutil.rmtree(work / "node0" / "step-7" / key / p)
 
 
+def _damage_rank2_piece(work: Path) -> None:
+    """A byte of rank 2's own piece of step 7 (on node 1) flipped inside a
+    tensor's bytes; its replica on node 0 is intact."""
+    (key,) = os.listdir(work / "node1" / "step-7")
+    piece = work / "node1" / "step-7" / key / "rank-2-of-4"
+    data = next(p for p in piece.iterdir() if p.name.endswith(".distcp"))
+    raw = bytearray(data.read_bytes())
+    at = raw.find(value("rank2", 7).numpy().tobytes())
+    assert at > 0
+    raw[at + 20] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
 #: scenario -> (what happens to the run's folders, steps saved after the resume)
 SCENARIOS = {"intact": (None, 0), "lost node": (_lose_node1, 2), "both lost": (_lose_both, 0),
-             "partly replicated": (_lose_node1_and_step7_replicas, 0)}
+             "partly replicated": (_lose_node1_and_step7_replicas, 0),
+             "corrupt piece": (_damage_rank2_piece, 0)}
 
 
 @pytest.fixture(scope="module")
 def resumed(trained, tmp_path_factory):
-    """Each scenario's copy of the run, resumed by 4 ranks (one job)."""
+    """Each scenario's copy of the run, resumed by 4 ranks, then the earlier
+    runs' scenario (earlier_runs), in one job."""
     runs = []
     for name, (damage, more) in SCENARIOS.items():
         work = tmp_path_factory.mktemp("scenario") / "run"
@@ -210,8 +272,12 @@ def resumed(trained, tmp_path_factory):
         if damage is not None:
             damage(work)
         runs.append((str(work), 2, more))
-    out = spawn(resume_each, 4, runs)
-    return {name: [out[r][i] for r in range(4)] for i, name in enumerate(SCENARIOS)}
+    earlier = tmp_path_factory.mktemp("earlier") / "run"
+    shutil.copytree(trained, earlier, symlinks=True)
+    out = spawn(resume_each, 4, runs, (str(earlier), str(trained)))
+    got = {name: [out[r][0][i] for r in range(4)] for i, name in enumerate(SCENARIOS)}
+    got["earlier runs"] = [out[r][1] for r in range(4)]
+    return got
 
 
 @pytest.mark.dist
@@ -243,9 +309,17 @@ def test_partly_replicated_step_is_not_chosen(resumed):
 
 
 @pytest.mark.dist
-def test_world_size_change_resumes_from_the_persistent_tier(trained, tmp_path):
-    work = _copy(trained, tmp_path)
-    out = spawn(resume, 2, str(work), 1)
+def test_a_corrupt_local_piece_is_replaced_by_its_replica(resumed):
+    """Rank 2's own piece of step 7 fails its CRC: rank 2 takes the replica
+    node 0 holds, and every rank resumes step 7 (not step 6)."""
+    out = resumed["corrupt piece"]
+    assert [(o["step"], o["tier"]) for o in out] == [(7, "replica")] * 4, out
+    assert all(o["warnings"] == [] for o in out), out
+
+
+@pytest.mark.dist
+def test_world_size_change_resumes_from_the_persistent_tier(edge):
+    out = edge["world size change"]
     assert [(o["step"], o["tier"]) for o in out] == [(5, "persistent")] * 2
 
 
@@ -295,27 +369,24 @@ def test_kill_at_a_random_moment_never_resumes_wrong(tmp_path, trial):
     assert len({o.get("tier") for o in out}) == 1, out
 
 
-def stale_run(rank: int, world: int, workdir: str) -> dict:
-    """A second run that starts fresh (no load) where an earlier run left
-    steps 1-7: its first save removes them, so a resume never mixes runs."""
-    mesh = _mesh(world)
-    m = manager(rank, world, workdir, persist_interval_steps=None)
-    for step in (1, 2):
-        m.save(step, state(rank, world, step + 100, mesh))  # other values
-    m.close()
-    m = manager(rank, world, workdir, persist_interval_steps=None)
-    sd = state(rank, world, 0, mesh, zero=True)
-    got = m.load(sd)
-    check_state(sd, rank, got + 100)
-    return {"step": got, **(m.last_resume or {})}
+@pytest.mark.dist
+def test_stale_pieces_of_an_earlier_run_are_never_loaded(resumed):
+    """A run that starts without a load removes the earlier run's steps at
+    its first save."""
+    assert all(o["after_first_save"] == [1] for o in resumed["earlier runs"])
 
 
 @pytest.mark.dist
-def test_stale_pieces_of_an_earlier_run_are_never_loaded(trained, tmp_path):
-    work = _copy(trained, tmp_path)
-    shutil.rmtree(work / "root")
-    out = spawn(stale_run, 4, str(work))
-    assert [(o["step"], o["tier"]) for o in out] == [(2, "local")] * 4
+def test_a_complete_step_of_an_earlier_run_is_never_loaded(resumed):
+    """Run A's complete step 7, brought back beside run B's partly written
+    step 7, is of a run B did not build on: run C resumes B's step 6 (its
+    values checked) and says why it passed A's step 7 over; a manager of
+    another job sharing the local folders loads nothing of them."""
+    out = resumed["earlier runs"]
+    assert [(o["C"]["step"], o["C"]["tier"]) for o in out] == [(6, "local")] * 4, out
+    assert all(any("local step-7" in w and "does not build on" in w for w in o["C"]["warnings"])
+               for o in out), out
+    assert [o["another job"]["step"] for o in out] == [None] * 4, out
 
 
 # ------------------------------------------------------ one process, units
@@ -354,13 +425,20 @@ def test_single_process_tiers(tmp_path):
         m.save(step, state(0, 1, step), metadata={"loss": 1.0 / step})
     m.wait()
     m.wait_for_retention()  # root's retention runs after each persistence, on its thread
-    assert m.all_steps() == [4, 6]        # persisted every 2 steps, 2 kept
+    t = m.tier_timings
+    # persisted every 2 steps (a persistence that fell behind skips to the
+    # newer step, and says so), 2 kept
+    persisted = [s for s in (2, 4, 6) if t[s]["persistence"] == "done"]
+    assert all(t[s]["persistence"].startswith("skipped") for s in {2, 4, 6} - set(persisted))
+    assert 6 in persisted and m.all_steps() == persisted[-2:]
     assert m.local_steps() == [6, 7]      # keep_local_k
     assert m.step_metadata(6) == {"loss": 1.0 / 6}
-    t = m.tier_timings
-    assert set(t[6]) == {"blocked_s", "waited_s", "local_s", "replicated_s", "persisted_s"}
+    assert {"blocked_s", "waited_s", "local_s", "persisted_s", "local", "replication",
+            "persistence"} <= set(t[6])
+    # "replicated" (here: committed), or skipped because the thread was behind
+    assert ("replicated_s" in t[6]) == (t[6]["replication"] == "done"), t[6]
     assert 0 <= t[6]["waited_s"] <= t[6]["blocked_s"] <= t[6]["local_s"] <= t[6]["persisted_s"]
-    assert "persisted_s" not in t[7]
+    assert "persisted_s" not in t[7] and "persistence" not in t[7]
     m.close()
     m = _single(tmp_path)
     sd = state(0, 1, 0, zero=True)
@@ -502,26 +580,34 @@ def test_space_needed(tmp_path):
 
 
 def _transfer(out, inc, flip=None):
-    """What the wire does between an Outgoing and an Incoming, in one process."""
-    for i, (src, dst) in enumerate(zip(out.views(), inc.views())):
-        if src is not None:
-            dst[:] = src[:]
-            if flip == i:
-                dst[len(dst) // 2] ^= 0xFF
+    """What the wire does between an Outgoing and an Incoming, in one
+    process; ``flip``: (file number, offset) of a byte damaged on the way."""
+    for i, (srcs, dsts) in enumerate(zip(out.views(), inc.views())):
+        for src, dst in zip(srcs, dsts):
+            dst[:] = src
+        if flip is not None and flip[0] == i:
+            dsts[0][flip[1]] ^= 0xFF
 
 
 def test_a_piece_moves_bit_exact_and_damage_is_refused(tmp_path):
+    """A replica is checked as it arrives, against the piece's own record
+    CRCs: damage on the way, or at the source (the sender's file damaged
+    after it committed: a CRC the sender computed while sending would match
+    it), is refused before the replica commits."""
     m = _single(tmp_path)
     m.save(1, state(0, 1, 1))
     m.close()
     (step, key, rank, world), = pieces.scan(tmp_path / "local")
     piece = pieces.piece_dir(tmp_path / "local", step, key, rank, world)
+    data = next(p for p in piece.iterdir() if p.name.endswith(".distcp"))
+    at = data.read_bytes().find(value("shared", 1).numpy().tobytes()) + 100  # a tensor's bytes
     with pieces.Outgoing(piece) as out:
         index = pieces.decode_index(pieces.encode_index(out.index), "x")
-        big = max(range(len(index)), key=lambda i: index[i][1])
+        big = [n for n, _ in index].index(data.name)
         inc = pieces.Incoming(tmp_path / "bad" / "p", index, "the test's piece")
-        _transfer(out, inc, flip=big)
-        with pytest.raises(dcpx.CorruptCheckpointError, match="damaged in transfer"):
+        _transfer(out, inc, flip=(big, at))
+        with pytest.raises(dcpx.CorruptCheckpointError,
+                           match="the test's piece: record 'shared': its bytes fail their CRC-32"):
             inc.commit()
         inc.close()
         assert not (tmp_path / "bad" / "p").exists() and os.listdir(tmp_path / "bad") == []
@@ -529,18 +615,30 @@ def test_a_piece_moves_bit_exact_and_damage_is_refused(tmp_path):
         _transfer(out, inc)
         inc.commit()
         inc.close()
-    for name, _, _ in index:
+    for name, *_ in index:
         assert (tmp_path / "good" / "p" / name).read_bytes() == (piece / name).read_bytes()
     sd = state(0, 1, 0, zero=True)
     dcpx.load(sd, checkpoint_id=tmp_path / "good" / "p", no_dist=True)
     check_state(sd, 0, 1)
+    raw = bytearray(data.read_bytes())  # damaged at the source, after its commit
+    raw[at] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pieces.Outgoing(piece) as out:
+        inc = pieces.Incoming(tmp_path / "src" / "p", out.index, "the test's piece")
+        _transfer(out, inc)
+        with pytest.raises(dcpx.CorruptCheckpointError, match="record 'shared'.*CRC-32"):
+            inc.commit()
+        inc.close()
 
 
 @pytest.mark.parametrize("index", [
-    [["../../etc/passwd", 1, 0], [".metadata", 1, 0]],
-    [[".metadata", -1, 0]],
-    [["__0_0.distcp", 1, 0]],                      # no .metadata
-    [[".metadata", 1, 0], [".metadata", 1, 0]],    # twice
+    [["../../etc/passwd", 1], [".metadata", 1]],
+    [[".metadata", -1]],
+    [[".metadata", 1 << 60]],                  # more than any file
+    [[".metadata", True]],
+    [["__0_0.distcp", 1]],                     # no .metadata
+    [[".metadata", 1], [".metadata", 1]],      # twice
+    [[".metadata", 1]] + [[f"__{i}_0.distcp", 1] for i in range(5000)],  # too many
     {"a": 1},
 ])
 def test_an_index_naming_anything_else_is_refused(index):
@@ -549,6 +647,8 @@ def test_an_index_naming_anything_else_is_refused(index):
         pieces.decode_index(json.dumps(index).encode(), "x")
     with pytest.raises(dcpx.CorruptCheckpointError, match="not JSON"):
         pieces.decode_index(b"{", "x")
+    with pytest.raises(dcpx.CorruptCheckpointError, match="not JSON: RecursionError"):
+        pieces.decode_index(b"[" * 100_000 + b"]" * 100_000, "x")
 
 
 def test_no_room_for_a_replica_is_an_oserror_not_a_crash(tmp_path, monkeypatch):
@@ -558,7 +658,7 @@ def test_no_room_for_a_replica_is_an_oserror_not_a_crash(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError) as e:
-        pieces.Incoming(tmp_path / "x" / "p", [[".metadata", 100, 0]], "x")
+        pieces.Incoming(tmp_path / "x" / "p", [[".metadata", 100]], "x")
     assert pieces.is_enospc(e.value)
     assert os.listdir(tmp_path / "x") == []
 
@@ -569,9 +669,392 @@ def test_incomplete_set_is_not_a_candidate(tmp_path):
     m = _single(tmp_path)
     tiers = m._tiers
     tiers.world = 2
-    held = [[(3, "r1-s3", 0, 2), (3, "r2-s1", 1, 2), (2, "r1-s2", 0, 2), (2, "r1-s2", 1, 2)],
-            [(3, "r1-s3", 0, 2)]]
+    j = tiers.job
+    k13, k12 = pieces.save_key(j, 1, None, 3), pieces.save_key(j, 1, None, 2)
+    k21 = pieces.save_key(j, 2, (1, 2), 1)  # a later run, resumed from step 2
+    held = [[(3, k13, 0, 2), (3, k21, 1, 2), (2, k12, 0, 2), (2, k12, 1, 2)], [(3, k13, 0, 2)]]
     got = tiers.candidates(held)
-    assert [(s, k) for s, k, _ in got] == [(2, "r1-s2")]
+    assert [(s, k) for s, k, _ in got] == [(2, k12)]
     tiers.world = 1
     m.close()
+
+
+# ------------------------------------- 2 ranks as 2 nodes: failures, peers
+#
+# One job of 2 processes (each a node) goes through the phases below, each
+# with managers of its own (a phase that breaks the tier's groups leaves the
+# next phase fresh ones); every phase's outcome is returned, so one failing
+# phase fails its own test.
+
+def _two(rank: int, workdir: str, sub: str, **kw):
+    opts = dict(local_root=os.path.join(workdir, sub, f"node{rank}"), node=f"node{rank}",
+                replicas=1, persist_interval_steps=None, keep_local_k=2, tier_timeout_s=3)
+    opts.update(kw)
+    return dcpx.CheckpointManager(os.path.join(workdir, sub, "root"), **opts)
+
+
+def _sd(rank: int, step: int) -> dict:
+    return {f"w{rank}": value(f"w{rank}", step), "shared": value("shared", step)}
+
+
+def _error(fn) -> "str | None":
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - what the test looks at
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _plain(timings: dict) -> dict:
+    return {s: {k: v for k, v in t.items() if isinstance(v, (int, float, str))}
+            for s, t in timings.items()}
+
+
+def _phase_shared_folder(rank: int, workdir: str) -> dict:
+    """Two node names, one folder: refused at construction."""
+    refused = _error(lambda: dcpx.CheckpointManager(
+        os.path.join(workdir, "shared", "root"), local_root=os.path.join(workdir, "shared", "one"),
+        node=f"node{rank}", replicas=1, tier_timeout_s=3))
+    return {"refused": refused}
+
+
+def _drain(m) -> None:
+    """Wait for the replication of every step saved (without raising: the
+    test looks at what the next save() raises)."""
+    import concurrent.futures
+    t = m._tiers
+    if hasattr(t, "_repl") and hasattr(t._repl, "drain"):
+        t._repl.drain()
+    else:  # the code before issue 29
+        concurrent.futures.wait(list(t._repl_queue))
+
+
+def _phase_local_save_fails(rank: int, workdir: str) -> dict:
+    """Rank 1's asynchronous local save of step 2 fails with ENOSPC (its
+    upload, after save() returned).  Each step's replication is waited for
+    before the next save (no step skipped: a known outcome per step)."""
+    import errno
+    from concurrent.futures import Future
+    m = _two(rank, workdir, "full", async_mode="async")
+    real = dcpx.manager.tiers._async_save
+
+    def failing(*a, **k):
+        f: Future = Future()
+
+        def later():
+            time.sleep(0.3)
+            f.set_exception(OSError(errno.ENOSPC, "No space left on device"))
+        threading.Thread(target=later, daemon=True).start()
+        return f
+    m.save(1, _sd(rank, 1))
+    _drain(m)
+    if rank == 1:
+        dcpx.manager.tiers._async_save = failing
+    m.save(2, _sd(rank, 2))
+    dcpx.manager.tiers._async_save = real
+    _drain(m)
+    out = {"save3": _error(lambda: m.save(3, _sd(rank, 3)))}
+    _drain(m)
+    out["save4"] = _error(lambda: m.save(4, _sd(rank, 4)))
+    out["close"] = _error(m.close)
+    out["timings"] = _plain(m.tier_timings)
+    return out
+
+
+def _phase_hung_partner(rank: int, workdir: str) -> dict:
+    """Rank 1's replication hangs (alive, not answering) longer than
+    tier_timeout_s; rank 0 goes on training and saves again."""
+    m = _two(rank, workdir, "hang", tier_timeout_s=2)
+    if rank == 1:
+        def stuck(*a, **k):
+            time.sleep(5)
+            return {}
+        m._tiers._exchange = stuck
+    m.save(1, _sd(rank, 1))
+    out: dict = {}
+    if rank == 0:
+        time.sleep(4)
+        t0 = time.monotonic()
+        out["save2"] = _error(lambda: m.save(2, _sd(rank, 2)))
+        out["blocked_s"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    _error(m.close)
+    out["close_s"] = time.monotonic() - t0
+    return out
+
+
+def _lie_about_index_length(tiers, n: int) -> None:
+    """Rank 0 announces a piece index of ``n`` bytes and sends a short one."""
+    import torch.distributed as dist
+    T = dcpx.manager.tiers
+    if hasattr(T, "_Wire"):
+        w = tiers.w_repl
+        real = w.send
+
+        def send(dst, kind, seq, payload=b""):
+            if kind != T._PIECE:
+                return real(dst, kind, seq, payload)
+            head = T._HDR.pack(T._MAGIC, T._VERSION, kind, w.me, seq, n, 0).ljust(T._HEAD, b"\0")
+            msg = torch.frombuffer(bytearray(head + bytes(payload)), dtype=torch.uint8)
+            return [(w.group.send([msg], dst, 0), dst, "x"), msg]
+        w.send = send
+    else:  # before issue 31: the length went first, as a message of its own
+        def post(out, dst):
+            head = torch.tensor([n], dtype=torch.int64)
+            return [dist.isend(head, tiers._g(dst), group=tiers.g_repl), head]
+        tiers._post_piece = post
+
+
+def _phase_hostile_sender(rank: int, workdir: str, how: str) -> dict:
+    """Rank 0 misbehaves sending its piece of step 1 to rank 1 (``how``);
+    rank 1 must get a CheckpointError naming rank 0, in bounded memory, and
+    live on."""
+    import resource
+    m = _two(rank, workdir, f"hostile-{how}", tier_timeout_s=2)
+    if rank == 0:
+        if how == "more bytes":
+            real = pieces.encode_index
+
+            def short(index):  # each data file announced 100 bytes shorter than sent
+                return real([[e[0], max(0, e[1] - 100)] + list(e[2:]) if e[0] != ".metadata"
+                             else e for e in index])
+            pieces.encode_index = short
+        elif how == "deep index":
+            pieces.encode_index = lambda index: b"[" * 100_000 + b"]" * 100_000
+        else:
+            _lie_about_index_length(m._tiers, {"2 GiB index": 2 << 30, "negative": -5}[how])
+    peak0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    m.save(1, _sd(rank, 1))
+    out = {"wait": _error(m.wait)}
+    out["grew_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak0) / 1024
+    _error(m.close)
+    return out
+
+
+def edge_cases(rank: int, world: int, workdir: str, trained: str) -> dict:
+    import torch.distributed as dist
+    real_encode = pieces.encode_index
+    out: dict = {}
+    phases = [("shared folder", _phase_shared_folder), ("local save fails", _phase_local_save_fails),
+              ("hung partner", _phase_hung_partner)]
+    phases += [(f"hostile: {how}", lambda r, w, how=how: _phase_hostile_sender(r, w, how))
+               for how in ("more bytes", "2 GiB index", "negative", "deep index")]
+    for name, phase in phases:
+        try:
+            out[name] = phase(rank, workdir)
+        except BaseException as e:  # noqa: BLE001 - this phase's test reports it
+            out[name] = {"crashed": f"{type(e).__name__}: {e}"}
+        pieces.encode_index = real_encode
+        dist.barrier()
+    out["world size change"] = resume(rank, world, trained, 1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def edge(trained, tmp_path_factory):
+    """The phases above, on 2 ranks as 2 nodes, in one job; and a copy of
+    the 4-rank run resumed by 2 ranks."""
+    work = tmp_path_factory.mktemp("edge")
+    copy = tmp_path_factory.mktemp("resize") / "run"
+    shutil.copytree(trained, copy, symlinks=True)
+    outs = spawn_outcomes(edge_cases, 2, str(work), str(copy))
+    got: dict = {}
+    for o in outs:
+        if not o.ok:  # a rank died (gloo aborted it, say): every phase fails with why
+            got = {"died": o.describe()}
+            break
+        for name, res in o.value.items():
+            got.setdefault(name, []).append(res)
+    return got
+
+
+def _phase(edge: dict, name: str) -> list:
+    assert "died" not in edge, edge["died"]
+    out = edge[name]
+    for o in out:
+        assert not (isinstance(o, dict) and "crashed" in o), out
+    return out
+
+
+@pytest.mark.dist
+def test_two_node_names_sharing_one_folder_are_refused(edge):
+    """A replica must never land on the node it protects."""
+    for o in _phase(edge, "shared folder"):
+        assert o["refused"] and "share one local folder" in o["refused"], o
+
+
+@pytest.mark.dist
+def test_an_asynchronous_local_save_failure_is_raised_at_the_next_save(edge):
+    """Rank 1's step 2 fails after save() returned: its next save raises a
+    LocalTierFullError naming step 2 (not two saves later); rank 0 goes on."""
+    r0, r1 = _phase(edge, "local save fails")
+    assert r1["save3"] and r1["save3"].startswith("LocalTierFullError") and \
+        "step 2" in r1["save3"], r1
+    assert r0["save3"] is None and r0["save4"] is None and r1["save4"] is None, (r0, r1)
+    assert r0["close"] is None and r1["close"] is None, (r0, r1)
+
+
+@pytest.mark.dist
+def test_tier_timings_say_per_step_what_happened(edge):
+    """Step 2 was never written on node 1 and step 3 not saved there (its
+    save raised step 2's failure): on every rank neither counts as
+    replicated, and the timings say why; step 4 is replicated."""
+    for o in _phase(edge, "local save fails"):
+        t = o["timings"]
+        for step in (2, 3):
+            assert "replicated_s" not in t[step], (step, t[step])
+            assert "rank 1's local save failed" in t[step]["replication"], (step, t[step])
+        assert t[4]["replication"] == "done" and "replicated_s" in t[4], t[4]
+        assert t[1]["replication"] == "done", t[1]
+
+
+@pytest.mark.dist
+def test_a_hung_partner_is_named_in_a_checkpoint_error(edge):
+    """Rank 1 stops answering: rank 0's next save raises a CheckpointError
+    naming rank 1 and step 1, at once (it never waits for the replication),
+    and close() is not held by the hung partner."""
+    r0, _ = _phase(edge, "hung partner")
+    assert r0["save2"] and r0["save2"].startswith("CheckpointError"), r0
+    assert "rank 1" in r0["save2"] and "step 1" in r0["save2"], r0
+    assert r0["blocked_s"] < 1.5 and r0["close_s"] < 1.5, r0
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["more bytes", "2 GiB index", "negative", "deep index"])
+def test_a_misbehaving_peer_costs_a_checkpoint_error_not_the_rank(edge, how):
+    """Rank 0 sends more bytes than its index says, announces an index of
+    2 GiB or of -5 bytes, or sends an index nested 100,000 deep: rank 1
+    raises a CheckpointError naming rank 0's piece, allocates nothing of
+    it, and lives on (the job finishing is the proof)."""
+    _, r1 = _phase(edge, f"hostile: {how}")
+    assert r1["wait"] and r1["wait"].split(":")[0] in (
+        "CheckpointError", "CorruptCheckpointError"), r1
+    assert "rank 0" in r1["wait"], r1
+    assert r1["grew_mib"] < 256, r1
+
+
+# ------------------------------------------ scripts that end: the exit path
+
+_SCRIPT = r"""
+import os, sys, time
+import torch, torch.distributed as dist
+import dcpx
+rank = int(os.environ["RANK"])
+work, scenario = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+m = dcpx.CheckpointManager(os.path.join(work, "root"), local_root=os.path.join(work, f"node{rank}"),
+                           node=f"node{rank}", replicas=1, persist_interval_steps=3,
+                           tier_timeout_s=60)
+if scenario == "crash" and rank == 1:
+    m._tiers._exchange = lambda *a, **k: time.sleep(60)  # alive, but never answers
+for step in (1, 2, 3):
+    m.save(step, {f"w{rank}": torch.arange(1000.0) + step})
+if scenario == "crash":
+    if rank == 1:
+        time.sleep(60)
+    print(f"crashing at {time.time()}", flush=True)
+    raise RuntimeError("the training step failed")
+dist.destroy_process_group()  # as scripts end, and no close(): the tier's groups are its own
+print("returning without close()", flush=True)
+"""
+
+
+def _run_script(work: Path, scenario: str, wait_for: tuple, timeout: float) -> list:
+    """The script above as 2 processes (each a node, a real interpreter exit);
+    waits for the ranks ``wait_for`` (at most ``timeout`` s in all), then
+    ends the others.  Returns per rank (exit status, or None when it was
+    ended; the time.time() it ended at; its output)."""
+    import subprocess
+    import sys
+    from dist_helpers import REPO, free_port
+    script = work / "train.py"
+    script.write_text(_SCRIPT)
+    port = free_port()
+    procs, logs, t0 = [], [], time.monotonic()
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE="2", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        logs.append(open(work / f"rank{rank}.log", "wb"))
+        procs.append(subprocess.Popen([sys.executable, str(script), str(work), scenario],
+                                      stdout=logs[-1], stderr=subprocess.STDOUT, env=env))
+    ended: list = [None, None]
+    for i in wait_for:
+        try:
+            procs[i].wait(max(0.1, timeout - (time.monotonic() - t0)))
+            ended[i] = time.time()
+        except subprocess.TimeoutExpired:
+            pass
+    for i, p in enumerate(procs):
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        logs[i].close()
+    return [(p.returncode if ended[i] is not None else None, ended[i],
+             (work / f"rank{i}.log").read_text(errors="replace")) for i, p in enumerate(procs)]
+
+
+@pytest.mark.dist
+def test_the_last_persisting_save_lands_when_a_script_ends_without_close(tmp_path):
+    """save(3) is due for persistence and the script destroys the process
+    group and returns: at exit the tier finishes it, as the plain manager's
+    last save lands (both ranks exit 0; step 3 is committed under root and
+    loads)."""
+    out = _run_script(tmp_path, "return", (0, 1), 120)
+    assert out[0][0] == 0 and out[1][0] == 0, out
+    step = tmp_path / "root" / "step-3"
+    assert (step / ".metadata").is_file(), (os.listdir(tmp_path / "root"), out)
+    sd = {"w0": torch.zeros(1000), "w1": torch.zeros(1000)}
+    dcpx.load(sd, checkpoint_id=step)
+    assert sd["w0"].equal(torch.arange(1000.0) + 3) and sd["w1"].equal(torch.arange(1000.0) + 3)
+
+
+@pytest.mark.dist
+def test_a_crashed_rank_never_waits_at_exit_for_a_hung_partner(tmp_path):
+    """Rank 1 is alive but never answers (tier_timeout_s=60); rank 0's
+    training raises: rank 0's interpreter exits at once, abandoning the
+    step's replication (said on stderr), instead of waiting for rank 1."""
+    out = _run_script(tmp_path, "crash", (0,), 150)
+    status, ended, log = out[0]
+    assert status == 1 and "the training step failed" in log and "abandoned" in log, out
+    crashed = float(log.split("crashing at ")[1].split()[0])
+    assert ended - crashed < 20, (ended - crashed, out)  # rank 1 answers in 60 s
+
+
+def test_a_record_the_receiver_holds_is_neither_sent_nor_copied(tmp_path):
+    """Data-parallel redundancy (issue 29, item 10): a tensor both ranks
+    saved with the same bytes (a DDP weight) is not sent with the replica,
+    nor copied: the replica keeps a hole there and names the receiver's own
+    record (its ``.holes``), checked before the hole was accepted (same
+    length, same archive digest).  Sent on (a resume's fetch), the replica
+    is byte for byte the sender's piece.  A tensor of the same name with
+    other bytes is sent."""
+    mine, theirs = tmp_path / "rank-0-of-2", tmp_path / "rank-1-of-2"
+    big = value("w", 3, 1 << 16)
+    dcpx.save({"w": big, "same_name": value("a", 1), "own0": value("own0", 3)}, checkpoint_id=mine)
+    dcpx.save({"w": big.clone(), "same_name": value("a", 2), "own1": value("own1", 3)},
+              checkpoint_id=theirs)
+    offered = pieces.offer(theirs, pieces.read_metadata(theirs))
+    assert {e[0] for e in offered} == {"w", "same_name", "own1"}
+    with pieces.Outgoing(mine) as out:
+        skipped = out.skip_held(offered)
+        index = pieces.decode_index(pieces.encode_index(out.index), "x", len(offered))
+        holes = [h for e in index if len(e) > 2 for h in e[2]]
+        assert [offered[h[2]][0] for h in holes] == ["w"] and skipped == holes[0][1]
+        assert skipped > big.numel() * 4
+        replica = tmp_path / "replica-of-0"
+        inc = pieces.Incoming(replica, index, "the test's replica")
+        _transfer(out, inc)
+        assert inc.keep_holes(theirs, offered) == skipped
+        inc.commit()
+        inc.close()
+    data = next(n for n, *_ in index if n.endswith(".distcp"))
+    assert os.stat(replica / data).st_blocks * 512 < (mine / data).stat().st_size - skipped // 2
+    with pieces.Outgoing(replica) as out:  # as a fetch sends it
+        for (name, *_), views in zip(out.index, out.views()):
+            assert b"".join(bytes(v) for v in views) == (mine / name).read_bytes(), name
+    with pytest.raises(dcpx.CorruptCheckpointError, match="holes|index"):
+        pieces.decode_index(pieces.encode_index(index), "x", 0)  # holes nobody offered
+    shutil.rmtree(theirs)  # where the holes' bytes are: the replica cannot be sent whole
+    with pytest.raises((dcpx.CorruptCheckpointError, OSError)):
+        pieces.Outgoing(replica)

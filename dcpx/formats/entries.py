@@ -2,7 +2,7 @@
 entries as the readers read them.  One module per format:
 
 * TORCH_SAVE records (a ``torch.save`` zip per item): csrc/reader.c,
-  ``_reader.check_zip_crcs``;
+  ``formats.files.check_zip_crcs``;
 * SAFETENSORS data files: ``dcpx.formats.safetensors``;
 * stream transforms (``_extensions``, ZStandard): ``dcpx.formats.transforms``.
 

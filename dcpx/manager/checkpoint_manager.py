@@ -429,9 +429,11 @@ class CheckpointManager:
     written from the local tier to ``root`` as an ordinary DCP checkpoint;
     the local tier keeps ``keep_local_k`` steps, ``root`` is kept by the
     rules above.  ``node``: this rank's failure domain (default: host name
-    and local_root); ``tier_timeout_s``: how long the tier's collectives
-    wait for a lost peer.  :meth:`load` resumes from the newest step that
-    the pieces and replicas can assemble, or from ``root``.
+    and local_root); ``tier_timeout_s``: how long any message of the tier
+    waits for a peer before a CheckpointError names it (default 300 s,
+    docs/tiers.md "Failures").  :meth:`load` resumes from the newest step
+    of this job's line that the pieces and replicas can assemble, or from
+    ``root``.
     """
 
     def __init__(
@@ -459,7 +461,7 @@ class CheckpointManager:
         persist_interval_steps: Optional[int] = None,
         keep_local_k: int = 2,
         node: Optional[str] = None,
-        tier_timeout_s: float = 600.0,
+        tier_timeout_s: float = 300.0,
     ) -> None:
         check_not_bootstrapping("CheckpointManager")  # the main script run again by spawn
         if keep_latest_k is not None and int(keep_latest_k) < 1:
@@ -685,10 +687,14 @@ class CheckpointManager:
     def tier_timings(self) -> dict:
         """Per step saved with a ``local_root``: seconds from the save()
         call until it returned (``blocked_s``; ``waited_s`` of it waiting for
-        earlier steps' replication), until the local piece
-        committed (``local_s``), until every rank's piece was replicated
+        the previous step's local save), until the local piece committed
+        (``local_s``), until every rank's piece was stored on its partners
         (``replicated_s``) and until the step committed under ``root``
-        (``persisted_s``, persisted steps only)."""
+        (``persisted_s``); and what happened to it (``local``,
+        ``replication``, ``persistence``: "done", "skipped: ..." or
+        "failed: ...", alike on every rank; ``sent_bytes``,
+        ``reused_bytes``: this rank's replica bytes sent, and left out
+        because the partner held them).  docs/tiers.md."""
         return {} if self._tiers is None else self._tiers.timings
 
     @property

@@ -11,7 +11,6 @@ import stat
 import threading
 import uuid
 import warnings
-import zipfile
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -35,41 +34,11 @@ from ..formats.chunks import tiling_problem
 from ..formats.safetensors import is_raw
 from ..formats.dtypes import _TO_DLPACK, dlpack_view, storage_type_name
 from ..formats.files import (
+    check_zip_crcs,
     _check_dir, local_path, open_regular, read_regular, special_file_error,
     validate_checkpoint_id,
 )
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedFormatError
-
-
-def check_zip_crcs(raw: bytes, where: str) -> int:
-    """CRC-check every record of a torch.save archive held in memory.
-
-    A record whose CRC field is 0 while it holds data has no CRC: torch
-    writes it so with ``torch.serialization.set_crc32_options(False)``, and
-    torch.load reads it.  Such records are not checked (there is nothing to
-    check them against); returns how many there were."""
-    absent, bad = 0, None
-    try:
-        z = zipfile.ZipFile(io.BytesIO(raw))
-        for info in z.infolist():  # as ZipFile.testzip, less the CRC-less records
-            if info.CRC == 0 and info.file_size > 0:
-                absent += 1
-                continue
-            try:
-                with z.open(info) as f:  # BadZipFile on a CRC mismatch
-                    while f.read(1 << 20):
-                        pass
-            except zipfile.BadZipFile:
-                bad = info.filename
-                break
-    except Exception as e:  # noqa: BLE001
-        # Bytes in memory, so any error is the archive's: besides BadZipFile,
-        # a flipped bit in a header gives NotImplementedError (compression
-        # method, version), RuntimeError (the encrypted flag), zlib.error...
-        raise CorruptCheckpointError(f"{where}: bad zip archive: {type(e).__name__}: {e}") from None
-    if bad is not None:
-        raise CorruptCheckpointError(f"{where}: record {bad} fails its CRC-32")
-    return absent
 
 
 def _torch_load_bytes(planner: LoadPlanner) -> bool:
