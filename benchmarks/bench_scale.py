@@ -221,25 +221,47 @@ def make_model(kind: str, ranks: int, tensors: int, group: int = 8, dims: str = 
 
 # ---------------------------------------------------------------- measuring
 
+_ACTIVE: list = []   # (Phases, phase name) being timed, innermost last
+_GC_START = [0.0]
+
+
+def _gc_watch(event: str, info: dict) -> None:
+    """Cyclic-GC seconds, charged to the phase being timed (torch's save runs
+    with the collector on, dcpx's with it paused)."""
+    if event == "start":
+        _GC_START[0] = time.perf_counter()
+    elif _ACTIVE:
+        ph, name = _ACTIVE[-1]
+        ph.gc[name] = ph.gc.get(name, 0.0) + time.perf_counter() - _GC_START[0]
+
+
+gc.callbacks.append(_gc_watch)
+
+
 class Phases:
-    """CPU and wall seconds per named phase, summed over calls."""
+    """CPU and wall seconds per named phase, summed over calls, and the
+    seconds the cyclic collector ran inside each."""
 
     def __init__(self) -> None:
         self.cpu: dict = {}
         self.wall: dict = {}
+        self.gc: dict = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        _ACTIVE.append((self, name))
         c0, w0 = time.process_time(), time.perf_counter()
         try:
             yield
         finally:
             self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - c0
             self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - w0
+            _ACTIVE.pop()
 
     def as_dict(self) -> dict:
-        return {"cpu": dict(self.cpu), "wall": dict(self.wall),
-                "cpu_total": sum(self.cpu.values()), "wall_total": sum(self.wall.values())}
+        return {"cpu": dict(self.cpu), "wall": dict(self.wall), "gc": dict(self.gc),
+                "cpu_total": sum(self.cpu.values()), "wall_total": sum(self.wall.values()),
+                "gc_total": sum(self.gc.values())}
 
 
 _CPU = torch.device("cpu")
@@ -540,8 +562,14 @@ class DcpxProtocol:
 def dcpx_save(model: Model, directory: str, state: dict, profile: Any = None,
               repeat: bool = False) -> dict:
     """One dcpx save of ``model`` over R simulated ranks into ``directory``.
-    ``state`` carries each rank's _Sent from one save to the next."""
+    ``state`` carries each rank's _Sent from one save to the next.  The cyclic
+    collector is paused throughout, as dcpx's ``save`` pauses it on every rank."""
     from dcpx import _gc
+    with _gc.paused_gc():
+        return _dcpx_save(model, directory, state, profile, repeat)
+
+
+def _dcpx_save(model: Model, directory: str, state: dict, profile: Any, repeat: bool) -> dict:
     from dcpx._writer import FileSystemWriter
     R = model.ranks
     other = _other_rank(R)
@@ -574,15 +602,14 @@ def dcpx_save(model: Model, directory: str, state: dict, profile: Any = None,
     wire.add("plan", "gather", [len(w) for w in wires1])
     gc.collect()
     prof = profile if profile is not None else contextlib.nullcontext()
-    with _gc.paused_gc():
-        with prof:
-            with ph("g1_decode"):
-                gathered = [_loads(w) for w in wires1]
-            with ph("plan"):
-                plan, replies = proto.coordinate(writer, gathered)
-            with ph("s1_encode"):
-                wires2 = [_dumps(x) for x in replies]
-        del gathered
+    with prof:
+        with ph("g1_decode"):
+            gathered = [_loads(w) for w in wires1]
+        with ph("plan"):
+            plan, replies = proto.coordinate(writer, gathered)
+        with ph("s1_encode"):
+            wires2 = [_dumps(x) for x in replies]
+    del gathered
     wires1 = None
     wire.add("assign", "scatter", [len(w) for w in wires2])
     # 3. every rank takes its reply, writes, reports its layout
@@ -602,15 +629,14 @@ def dcpx_save(model: Model, directory: str, state: dict, profile: Any = None,
     wire.add("layout", "gather", [len(w) for w in wires3])
     make_data_files(directory, files)  # written before the commit, as in a real save
     gc.collect()
-    with _gc.paused_gc():
-        with prof:
-            with ph("g2_decode"):
-                gathered = [_loads(w) for w in wires3]
-            with ph("commit"):
-                outcome, _ = proto.commit(writer, plan, gathered)
-            with ph("b_encode"):
-                wire4 = _dumps(outcome)
-        del gathered, plan
+    with prof:
+        with ph("g2_decode"):
+            gathered = [_loads(w) for w in wires3]
+        with ph("commit"):
+            outcome, _ = proto.commit(writer, plan, gathered)
+        with ph("b_encode"):
+            wire4 = _dumps(outcome)
+    del gathered, plan
     wires3 = None
     wire.add("outcome", "broadcast", [len(wire4)])
     with rank_ph[other]("b_decode"):
@@ -775,9 +801,10 @@ def torch_save(model: Model, directory: str, state: dict, repeat: bool = False) 
         ctx = rank_ph[r]("layout") if r in rank_ph else contextlib.nullcontext()
         with ctx:
             # finish_plan: the cached final plan when the delta is empty
-            final = central if central.usable else finals[r]
-            finals[r] = final
+            final = central if central.usable else _loads(finals[r])
             wires3[r] = _dumps(proto.write_results(final))
+        if central.usable:  # kept as its bytes (rank 0 of a real job holds one)
+            finals[r] = wires2[r]
     wires2 = None
     wire.add("results", "gather", [len(w) for w in wires3])
     gc.collect()
@@ -1190,11 +1217,14 @@ def _real_rank(rank: int, ws: int, port: int, spec: dict, root: str, out: str) -
 
 
 def _real_saves(lib: str, sd: dict, hooks: _Hooks, root: str, rank: int, saves: int) -> dict:
+    """``saves`` saves of ``sd`` by ``lib`` into ``root/save1``, ``save2``, ... (the
+    simulation's directory names: messages that carry the path are of the same
+    size), removed afterwards."""
     import torch.distributed as dist
     import warnings
     out: dict = {"saves": []}
     for it in range(saves):
-        path = os.path.join(root, f"{lib}-{it}")
+        path = os.path.join(root, f"save{it + 1}")
         hooks.reset()
         dist.barrier()
         c0, t0 = time.process_time(), time.perf_counter()
@@ -1213,6 +1243,10 @@ def _real_saves(lib: str, sd: dict, hooks: _Hooks, root: str, rank: int, saves: 
                              "metadata_bytes": os.path.getsize(os.path.join(path, ".metadata"))
                              if rank == 0 else None})
     dist.barrier()
+    if rank == 0:
+        for it in range(saves):
+            shutil.rmtree(os.path.join(root, f"save{it + 1}"), ignore_errors=True)
+    dist.barrier()
     return out
 
 
@@ -1220,7 +1254,7 @@ def run_real(W: int, kind: str, T: int, group: int, dims: str, libs: list, saves
              timeout: float) -> dict:
     """A real run of W gloo ranks; per rank its timings (rank 0's phases)."""
     import torch.multiprocessing as mp
-    root = tempfile.mkdtemp(prefix="dcpx-bench-scale-real-")
+    root = tempfile.mkdtemp(prefix="dcpx-bench-scale-")  # as the simulation's
     out = tempfile.mkdtemp(prefix="dcpx-bench-scale-real-out-")
     spec = {"kind": kind, "tensors": T, "group": group, "dims": dims, "libs": libs,
             "saves": saves}
@@ -1405,8 +1439,8 @@ def markdown(report: dict) -> str:
     L += ["", "## Where rank 0's time goes (CPU seconds per phase: gather-1 decode, plan, "
           "scatter encode, gather-2 decode, commit, broadcast encode)", "",
           "| shape | ranks | T | lib | save | g1_decode | plan | s1_encode | g2_decode | commit "
-          "| b_encode | total |", "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: "
-          "| ---: | ---: | ---: |"]
+          "| b_encode | total | of which cyclic GC (wall) |", "| --- | ---: | ---: | --- | --- "
+          "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for (series, kind, R, T), libs in by.items():
         for lib in ("torch", "dcpx"):
             x = libs.get(lib)
@@ -1417,7 +1451,8 @@ def markdown(report: dict) -> str:
                 L.append(f"| {kind} | {R:,} | {T} | {lib} | {k} | " + " | ".join(
                     _fmt_s(c.get(p, 0.0)) for p in ("g1_decode", "plan", "s1_encode",
                                                     "g2_decode", "commit", "b_encode"))
-                    + f" | {_fmt_s(x[k]['rank0']['cpu_total'])} |")
+                    + f" | {_fmt_s(x[k]['rank0']['cpu_total'])} | "
+                    f"{_fmt_s(x[k]['rank0'].get('gc_total', 0.0))} |")
     L += ["", "## Each rank's own work per save (CPU: rank 0 / rank k): its plan message, "
           "taking its reply, its write report, decoding the broadcast", "",
           "| shape | ranks | T | lib | save | local plan | reply | write report | decode "
@@ -1555,6 +1590,8 @@ def main() -> None:
                     help="16 and 64 ranks, FSDP2 and DDP, 60 tensors, in this process "
                          "(with --real: 2 and 4 ranks, 30 tensors)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
+    ap.add_argument("--render", metavar="JSON", default=None,
+                    help="only write the markdown of an earlier run's JSON (to OUT.md)")
     ap.add_argument("--_row", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._row:
@@ -1575,8 +1612,18 @@ def main() -> None:
     env = f"PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])} " if "PYTHONPATH" in os.environ else ""
     report: dict = {"command": env + shlex.join(["python3", *sys.argv]), "started": started,
                     "machine": machine, "max_items": args.max_items}
+    if args.render:
+        with open(args.render) as f:
+            report = json.load(f)
+        md = real_markdown(report) if "real" in report else markdown(report)
+        print(md)
+        if args.out:
+            with open(args.out + ".md", "w") as f:
+                f.write(md)
+        return
     if args.real:
         report["real"] = real_check(args)
+        machine["loadavg_after"] = _load_avg()
         md = real_markdown(report)
     else:
         rows = []
@@ -1603,7 +1650,6 @@ def main() -> None:
         report["network"] = network_table(rows, args)
         machine["loadavg_after"] = _load_avg()
         md = markdown(report)
-    machine["loadavg_after"] = _load_avg()
     print(md)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -1653,6 +1699,15 @@ def _real_phase(saves: list, which: str) -> dict:
     return {p: statistics.median(s["phases"]["cpu"].get(p, 0.0) for s in rest) for p in PHASES}
 
 
+def _real_gc(saves: list, which: str) -> Optional[float]:
+    """Cyclic-GC seconds inside rank 0's phases of a real save (None: not recorded)."""
+    import statistics
+    vals = [s["phases"].get("gc_total") for s in (saves[:1] if which == "first" else saves[1:])]
+    if any(v is None for v in vals):
+        return None
+    return statistics.median(vals)
+
+
 def _real_bytes(saves: list, which: str) -> dict:
     """Bytes rank 0 sent per collective in a real save (pickled sizes)."""
     s = saves[0] if which == "first" else saves[-1]
@@ -1675,10 +1730,11 @@ def real_markdown(report: dict) -> str:
          "plan caching's first save), repeated = median of saves 2..N (dcpx: plan by digest; "
          "torch: cached plans).  sim: the same W, T, shape and dims through bench_scale's "
          "simulation in a fresh process.  ratio = real / sim.", "",
-         "| shape | W | T | lib | save | " + " | ".join(PHASES) + " | total | bytes rank 0 "
-         "pickled per collective (gather 1, scatter, gather 2, broadcast), real / sim |",
+         "| shape | W | T | lib | save | " + " | ".join(PHASES) + " | total | of which cyclic "
+         "GC | bytes rank 0 pickled per collective (gather 1, scatter, gather 2, broadcast), "
+         "real / sim |",
          "| --- | ---: | ---: | --- | --- | " + " | ".join("---:" for _ in PHASES)
-         + " | ---: | --- |"]
+         + " | ---: | ---: | --- |"]
     ratios: dict = {}
     for e in report["real"]:
         for lib, sim in e["sim"].items():
@@ -1701,9 +1757,12 @@ def real_markdown(report: dict) -> str:
                 real_b = [sum(rb.get(k, [0])) for k in ("gather1", "scatter1", "gather2", "bcast")]
                 sim_b = [c["rank0_pickled"] for c in sim[key]["collectives"]]
                 bytes_cell = ", ".join(f"{_fmt_b(a)} / {_fmt_b(b)}" for a, b in zip(real_b, sim_b))
+                rgc = _real_gc(e["real"][lib]["saves"], which)
+                sgc = sim[key]["rank0"].get("gc_total", 0.0)
                 L.append(f"| {e['kind']} | {e['ranks']} | {e['tensors']} | {lib} | {which} | "
                          + " | ".join(cells) + f" | {_fmt_s(rtot)} / {_fmt_s(stot)} "
-                         f"({rtot / stot if stot else 0:.2f}x) | {bytes_cell} |")
+                         f"({rtot / stot if stot else 0:.2f}x) | {_fmt_s(rgc)} / {_fmt_s(sgc)} | "
+                         f"{bytes_cell} |")
     L += ["", "## Ratio real / sim, over the rank counts (min - max, median)", "",
           "| lib | save | phase | min | median | max |", "| --- | --- | --- | ---: | ---: | ---: |"]
     import statistics
