@@ -82,8 +82,8 @@ Usage::
     PYTHONPATH=$PWD python3 benchmarks/bench_scale.py --real --real-ranks 2,4,8,16 \\
         --out benchmarks/results/scale/real
 
-Rows whose R x T exceeds ``--max-items`` (default 200,000 chunks: a torch row of that
-size takes minutes here) are run with T scaled down to fit, and the table says so
+Rows whose R x T exceeds ``--max-items`` (default 100,000 chunks, as issue 28's table: a
+torch row of that size takes minutes here) are run with T scaled down to fit, and the table says so
 (both libraries at the same T); ``--libs dcpx --max-items 2000000`` runs dcpx alone
 further.
 """
@@ -600,7 +600,6 @@ def _dcpx_save(model: Model, directory: str, state: dict, profile: Any, repeat: 
         wires1[r] = data
     by_group.clear()
     wire.add("plan", "gather", [len(w) for w in wires1])
-    gc.collect()
     prof = profile if profile is not None else contextlib.nullcontext()
     with prof:
         with ph("g1_decode"):
@@ -628,7 +627,6 @@ def _dcpx_save(model: Model, directory: str, state: dict, profile: Any, repeat: 
     wires2 = None
     wire.add("layout", "gather", [len(w) for w in wires3])
     make_data_files(directory, files)  # written before the commit, as in a real save
-    gc.collect()
     with prof:
         with ph("g2_decode"):
             gathered = [_loads(w) for w in wires3]
@@ -781,7 +779,6 @@ def torch_save(model: Model, directory: str, state: dict, repeat: bool = False) 
     state["planner0"] = planner0
     writer.set_up_storage_writer(True, rank=0, use_collectives=True)
     wire.add("plan", "gather", [len(w) for w in wires1])
-    gc.collect()
     with ph("g1_decode"):
         gathered = [_loads(w) for w in wires1]
     wires1 = None
@@ -807,7 +804,6 @@ def torch_save(model: Model, directory: str, state: dict, repeat: bool = False) 
             finals[r] = wires2[r]
     wires2 = None
     wire.add("results", "gather", [len(w) for w in wires3])
-    gc.collect()
     with ph("g2_decode"):
         results = [_loads(w) for w in wires3]
     wires3 = None
@@ -866,7 +862,6 @@ def dcpx_load_rank(model: Model, r: int, directory: str, keep_reads: bool = Fals
     flat, _ = flatten_state_dict(original)
     real, fake = _patched_local_chunk(chunks)
     ph = Phases()
-    gc.collect()
     _dist.local_chunk = fake
     try:
         with FsCounter() as fs, _gc.paused_gc():
@@ -913,7 +908,6 @@ def torch_load_rank(model: Model, r: int, directory: str) -> tuple:
                           ChunkStorageMetadata(torch.Size(off), torch.Size(sz)))
     sd = model.nested(leaf)
     ph = Phases()
-    gc.collect()
     with FsCounter() as fs:
         reader = FileSystemReader(directory)
         with ph("open"):
@@ -937,7 +931,6 @@ def torch_load_coordinator(R: int, sample: bytes) -> dict:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     ph = Phases()
-    gc.collect()
     with ph("g1_decode"):
         plans = [_loads(sample) for _ in range(R)]
     with ph("plan"):
@@ -975,20 +968,19 @@ def run_row(lib: str, kind: str, R: int, T: int, group: int, dims: str, workdir:
         out["first"] = torch_save(model, d1, state)
         out["repeat"] = torch_save(model, d2, state, repeat=True)
     state.clear()
-    gc.collect()
     if load:
         other = _other_rank(R)
-        # one unmeasured load first: the process's one-time setup (dcpx's decoder
-        # tables, torch's imports) is not counted against rank 0 alone
         if lib == "dcpx":
-            dcpx_load_rank(model, other, d2)
+            # the process's one-time setup of dcpx's metadata reader (its
+            # allow-list, the C decoder's tables) is not counted against rank 0
+            from dcpx import _metadata
+            _metadata.index(b"", "warm-up")
             out["load"] = {"rank0": dcpx_load_rank(model, 0, d2),
                            "other": dcpx_load_rank(model, other, d2)}
             w = Wire(R)
             w.add("status", "all_gather", [len(_dumps(("ok",)))] * R)
             out["load"]["collectives"] = w.summary(other)
         else:
-            torch_load_rank(model, other, d2)
             r0, d0 = torch_load_rank(model, 0, d2)
             ro, do = torch_load_rank(model, other, d2)
             w = Wire(R)
@@ -1567,7 +1559,7 @@ def main() -> None:
     ap.add_argument("--rows", default=None,
                     help="only these rows: KIND:RANKS:TENSORS[,...] (e.g. fsdp2:4096:2400)")
     ap.add_argument("--libs", default="torch,dcpx")
-    ap.add_argument("--max-items", type=int, default=200_000,
+    ap.add_argument("--max-items", type=int, default=100_000,
                     help="R x T above this: T scaled down for the row")
     ap.add_argument("--no-load", action="store_true")
     ap.add_argument("--profile", action="store_true",
