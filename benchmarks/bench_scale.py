@@ -64,14 +64,15 @@ shape and dims runs in a fresh process; the report gives real / simulated per ph
 and the bytes of both.
 
 Network model (``--bw-gbs``, ``--lat-us``, ``--tcp-bw-gbs``, ``--tcp-lat-us``): each
-collective costs latency per message step plus bytes over the bandwidth into (or out
-of) rank 0, flat (rank 0 talks to every rank in turn: gloo's gather and scatter) or
-tree (binomial: log2 R steps; the root still moves every byte of a gather or
-scatter; a broadcast is pipelined, 2 x bytes / bandwidth).  Defaults: 25 GB/s and
-10 us (a 200 Gb/s InfiniBand / RoCE NIC per node, ~5-20 us per small message through
-a software stack), and a worse case of gloo over TCP: 1.25 GB/s (10 GbE) and 60 us.
-Seconds per save = the slower rank's local plan + every collective + rank 0's
-phases + the ranks' decode of the broadcast (data writing excluded).
+collective costs a latency per message step plus its bytes over the bandwidth into (or
+out of) rank 0, either as gloo runs it (gather and scatter: rank 0 exchanges a message
+with every rank; all_gather: a ring; broadcast: a binomial tree moving the whole buffer
+at each of its log2 R steps) or as log-depth collectives would (log2 R latencies; a
+gather or scatter still moves every byte through rank 0; a pipelined broadcast).
+Defaults: 25 GB/s and 10 us (a 200 Gb/s InfiniBand / RoCE NIC per node, ~5-20 us per
+small message through a software stack), and a worse case of gloo over TCP: 1.25 GB/s
+(10 GbE) and 60 us.  Seconds per save = the slower rank's local plan + every collective
++ rank 0's phases + the ranks' decode of the broadcast (data writing excluded).
 
 Usage::
 
@@ -1268,25 +1269,38 @@ def run_real(W: int, kind: str, T: int, group: int, dims: str, libs: list, saves
 # ---------------------------------------------------------------- network model
 
 def net_seconds(colls: list, R: int, bw: float, lat: float, tree: bool) -> float:
-    """Seconds the collectives of one save take on the network (``Wire.summary``
-    rows; bw in bytes/s, lat in s)."""
+    """Seconds the collectives of one save (``Wire.summary`` rows) take on the
+    network; bw in bytes/s, lat in s a message.
+
+    ``tree`` False: gloo's algorithms (gloo/gather.cc, scatter.cc: rank 0 posts one
+    message per rank; allgather.cc: a ring, 2 (R-1) half-chunk steps;
+    broadcast.cc: a binomial tree, ceil(log2 R) steps each moving the whole
+    buffer).  ``tree`` True: log-depth everywhere (ceil(log2 R) latencies; a
+    gather / scatter still moves every byte through rank 0; a pipelined
+    broadcast, 2 x bytes / bandwidth).  Each object collective first exchanges
+    8-byte sizes: an all_gather (gather_object) or a broadcast
+    (scatter_object_list, broadcast_object_list)."""
     steps = max(1, math.ceil(math.log2(max(R, 2))))
+
+    def allgather(nbytes_in: float) -> float:
+        return (steps if tree else 2 * (R - 1)) * lat + nbytes_in / bw
+
+    def bcast(nbytes: float) -> float:
+        return steps * lat + 2 * nbytes / bw if tree else steps * (lat + nbytes / bw)
+
     t = 0.0
     for c in colls:
         kind = c["kind"]
         if kind == "gather":
-            # sizes exchanged first (all_gather of 8 bytes), then the data into rank 0
-            t += (steps if tree else R - 1) * lat
+            t += allgather(8 * (R - 1))
             t += (steps if tree else R - 1) * lat + c["rank0_in_wire"] / bw
         elif kind == "scatter":
-            t += steps * lat if tree else (R - 1) * lat          # sizes (a broadcast)
+            t += bcast(8)
             t += (steps if tree else R - 1) * lat + c["rank0_out_wire"] / bw
         elif kind == "broadcast":
-            t += steps * lat if tree else (R - 1) * lat          # the size
-            size = c["other_in_wire"]
-            t += steps * lat + 2 * size / bw if tree else (R - 1) * (lat + size / bw)
+            t += bcast(8) + bcast(c["other_in_wire"])
         elif kind == "all_gather":
-            t += 2 * (steps if tree else R - 1) * lat + c["rank0_in_wire"] / bw
+            t += allgather(8 * (R - 1)) + allgather(c["rank0_in_wire"])
     return t
 
 
@@ -1377,7 +1391,10 @@ def _fmt_b(n: Optional[float]) -> str:
 
 def markdown(report: dict) -> str:
     L = ["# Checkpoint coordination at scale: dcpx vs torch DCP (simulated)", "",
-         f"- command: `{report['command']}`",
+         f"- command: `{report['command']}`"]
+    if report.get("rendered"):
+        L.append(f"- network model and tables redone by `{report['rendered']}`")
+    L += [
          f"- started {report['started']}, commit {report['machine']['commit']}, torch "
          f"{report['machine']['torch']}, Python {report['machine']['python']}, "
          f"{report['machine']['cpus']} CPUs, {report['machine']['mem_gib']} GiB",
@@ -1501,7 +1518,7 @@ def markdown(report: dict) -> str:
     if report.get("network"):
         L += ["", "## Seconds per save under the network model (coordination only; data "
               "writing excluded)", "", report["network"]["text"], ""]
-        L += ["| shape | ranks | T | network | flat / tree | torch first | torch, plan caching "
+        L += ["| shape | ranks | T | network | collectives | torch first | torch, plan caching "
               "| dcpx first | dcpx, same plan |",
               "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
         for row in report["network"]["rows"]:
@@ -1532,19 +1549,23 @@ def network_table(rows: list, args) -> dict:
         for net, bw, lat in nets:
             for tree in (False, True):
                 row = {"series": series, "kind": kind, "ranks": R, "tensors": T, "net": net,
-                       "topology": "tree" if tree else "flat"}
+                       "topology": "tree" if tree else "gloo"}
                 for lib, x in libs.items():
                     for k in ("first", "repeat"):
                         row[f"{lib}_{k}"] = save_seconds(x[k], R, bw, lat, tree)
                 out.append(row)
-    text = (f"IB: {args.bw_gbs} GB/s into / out of rank 0, {args.lat_us} us a message; TCP "
-            f"(gloo over TCP, a worse case): {args.tcp_bw_gbs} GB/s, {args.tcp_lat_us} us.  "
-            f"Flat: rank 0 exchanges a message with each rank in turn (R-1 latencies); tree: "
-            f"binomial, ceil(log2 R) latencies, rank 0 still moves every byte of a gather / "
-            f"scatter, a broadcast pipelined (2 x bytes / bandwidth).  Each object collective "
-            f"first exchanges 8-byte sizes (one more round).  Seconds = the slower of rank 0 / "
-            f"rank k's local plan + rank 0's CPU phases (this machine) + the network + rank k's "
-            f"decode of the broadcast.")
+    text = (f"IB: {args.bw_gbs} GB/s into / out of rank 0, {args.lat_us} us a message (a 200 "
+            f"Gb/s NIC per node; 5-20 us a small message through a software stack); TCP (gloo "
+            f"over TCP, a worse case): {args.tcp_bw_gbs} GB/s (10 GbE), {args.tcp_lat_us} us.  "
+            f"gloo: the algorithms gloo runs (gather and scatter: rank 0 exchanges a message "
+            f"with each rank, R-1 latencies; all_gather: a ring, 2 (R-1) latencies; broadcast: "
+            f"a binomial tree, ceil(log2 R) steps that each move the whole message).  tree: "
+            f"log-depth collectives (ceil(log2 R) latencies; rank 0 still moves every byte of "
+            f"a gather or scatter; a pipelined broadcast, 2 x bytes / bandwidth).  Each object "
+            f"collective first exchanges 8-byte sizes (an all_gather or a broadcast).  Seconds = "
+            f"the slower of rank 0's and rank k's local plan + rank 0's CPU phases (this "
+            f"machine) + the network + rank k's decode of the broadcast (torch's ranks unpickle "
+            f"the whole Metadata; dcpx's take bytes); writing data excluded.")
     return {"text": text, "rows": out}
 
 
@@ -1583,7 +1604,8 @@ def main() -> None:
                          "(with --real: 2 and 4 ranks, 30 tensors)")
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
     ap.add_argument("--render", metavar="JSON", default=None,
-                    help="only write the markdown of an earlier run's JSON (to OUT.md)")
+                    help="only redo the network model and the markdown of an earlier run's "
+                         "JSON (to OUT.json, OUT.md)")
     ap.add_argument("--_row", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._row:
@@ -1607,11 +1629,16 @@ def main() -> None:
     if args.render:
         with open(args.render) as f:
             report = json.load(f)
+        if "rows" in report:  # the network model as this script has it, with these options
+            report["network"] = network_table(report["rows"], args)
+            report["rendered"] = env + shlex.join(["python3", *sys.argv])
         md = real_markdown(report) if "real" in report else markdown(report)
         print(md)
         if args.out:
             with open(args.out + ".md", "w") as f:
                 f.write(md)
+            with open(args.out + ".json", "w") as f:
+                json.dump(report, f, indent=1)
         return
     if args.real:
         report["real"] = real_check(args)
