@@ -19,6 +19,7 @@ dtypes, layouts, paths and plain containers); anything else, e.g. a crafted
 from __future__ import annotations
 
 import copyreg
+import functools
 import io
 import pathlib
 import pickle
@@ -278,14 +279,11 @@ def _allowed() -> dict:
     return allow
 
 
-_ALLOWED: dict | None = None
-
-
+@functools.lru_cache(maxsize=None)
 def _allowed_globals() -> dict:
-    global _ALLOWED
-    if _ALLOWED is None:
-        _ALLOWED = _allowed()
-    return _ALLOWED
+    """The Unpickler's allow-list, built once (the C decoder's globals are
+    a subset of it, by the same objects)."""
+    return _allowed()
 
 
 class SafeUnpickler(pickle.Unpickler):
@@ -296,10 +294,7 @@ class SafeUnpickler(pickle.Unpickler):
         self._what = what
 
     def find_class(self, module: str, name: str) -> Any:
-        global _ALLOWED
-        if _ALLOWED is None:
-            _ALLOWED = _allowed()
-        obj = _ALLOWED.get((module, name))
+        obj = _allowed_globals().get((module, name))
         if obj is None:
             raise UnsafeCheckpointError(
                 f"{self._what}: refusing to load global {module}.{name}: it "
@@ -438,9 +433,7 @@ def _index_tables() -> tuple:
     and per dtype (torch.dtype, its archive storage type, or None when it
     is not read in place)."""
     from .dtypes import _needs_int_view, storage_type_name
-    global _ALLOWED
-    if _ALLOWED is None:
-        _ALLOWED = _allowed()
+    allowed = _allowed_globals()
     mod = "torch.distributed.checkpoint.metadata"
     glob: dict = {}
     for name, kind in _G_CLASSES.items():
@@ -454,7 +447,7 @@ def _index_tables() -> tuple:
     for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
         glob[("pathlib", name)] = (_G_PATH, 0)
     dtypes: list = []
-    for (module, name), obj in _ALLOWED.items():
+    for (module, name), obj in allowed.items():
         if module != "torch":
             continue
         if isinstance(obj, torch.dtype):
@@ -477,7 +470,7 @@ def _index_tables() -> tuple:
         ok = False
     # Only what the Unpickler resolves, to the same objects.
     glob = {k: v for k, v in glob.items()
-            if k in _ALLOWED and (ok or v[0] not in (_G_SI, _G_GET_LAYOUT))}
+            if k in allowed and (ok or v[0] not in (_G_SI, _G_GET_LAYOUT))}
     return glob, dtypes
 
 
