@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as tdcp
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 import dcpx
-from conftest import make_tensor
+from conftest import make_tensor, assert_state_bit_equal, empty_like_state
 from dcpx.formats.safetensors import DTYPES
 from dcpx.errors import CorruptCheckpointError
 
@@ -55,31 +55,6 @@ def _state(dtypes=ST_DTYPES, contiguous=True):
     return sd
 
 
-def _empty_like(sd):
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = torch.empty(v.shape, dtype=v.dtype)
-        elif isinstance(v, dict):
-            out[k] = {kk: None for kk in v}
-        else:
-            out[k] = None
-    return out
-
-
-def _bits_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8),
-                           b.contiguous().view(-1).view(torch.uint8)), "bytes differ"
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _bits_equal(a[k], b[k])
-    else:
-        assert a == b
-
-
 def _torch_save(sd, path, **kw):
     tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(str(path), serialization_format=SF,
                                                        **kw), no_dist=True)
@@ -100,17 +75,17 @@ def _header(blob: bytes) -> dict:
 def test_torch_writes_dcpx_loads_bit_exact(tmp_path, kw):
     sd = _state()
     _torch_save(sd, tmp_path, **kw)
-    out = _empty_like(sd)
+    out = empty_like_state(sd)
     dcpx.load(out, checkpoint_id=tmp_path)
-    _bits_equal(sd, out)
+    assert_state_bit_equal(sd, out)
     # and again (dcpx's read-plan cache must not keep a stale resolution),
     # and through torch's load machinery with dcpx's reader
-    out = _empty_like(sd)
+    out = empty_like_state(sd)
     dcpx.load(out, checkpoint_id=tmp_path)
-    _bits_equal(sd, out)
-    out = _empty_like(sd)
+    assert_state_bit_equal(sd, out)
+    out = empty_like_state(sd)
     tdcp.load(out, storage_reader=dcpx.FileSystemReader(tmp_path), no_dist=True)
-    _bits_equal(sd, out)
+    assert_state_bit_equal(sd, out)
 
 
 def test_torch_written_loads_with_casts_and_partially(tmp_path):
@@ -143,11 +118,11 @@ def test_dcpx_writes_torch_reads_bit_exact(tmp_path, kw):
         assert sharding[index.fqn]["saved_offsets"] == list(index.offset)
         loaded = st.load(blob[:header_len + max(e["data_offsets"][1] for k, e in header.items()
                                                  if k != "__metadata__")])
-        _bits_equal(value.contiguous(), loaded[index.fqn])
+        assert_state_bit_equal(value.contiguous(), loaded[index.fqn])
     # dcpx reads its own, values included
-    out = _empty_like(sd)
+    out = empty_like_state(sd)
     dcpx.load(out, checkpoint_id=tmp_path)
-    _bits_equal(sd, out)
+    assert_state_bit_equal(sd, out)
 
 
 def test_dcpx_data_file_matches_torchs(tmp_path):
@@ -280,7 +255,7 @@ def test_cli_inspect_verify_convert(tmp_path):
     r = _cli("convert", tmp_path / "ck", tmp_path / "out.pt", "--to", "torch")
     assert r.returncode == 0, r.stdout + r.stderr
     got = torch.load(tmp_path / "out.pt", weights_only=True)
-    _bits_equal(sd["big"], got["big"])
+    assert_state_bit_equal(sd["big"], got["big"])
     # a corrupt header is reported, not raised
     (f,) = (tmp_path / "ck").glob("*.distcp")
     md = tdcp.FileSystemReader(str(tmp_path / "ck")).read_metadata()
@@ -298,7 +273,7 @@ def test_manager_loads_torch_written_safetensors_step(tmp_path):
         try:
             out = {"w": torch.empty(4, 4), "step": 0}
             assert mgr.load(out) == 3
-            _bits_equal(sd, out)
+            assert_state_bit_equal(sd, out)
         finally:
             mgr.close()
 
@@ -315,9 +290,9 @@ def test_fsspec_url_loads_safetensors(tmp_path):
     for f in tmp_path.iterdir():
         fs.pipe(f"/st_remote/{f.name}", f.read_bytes())
     try:
-        out = _empty_like(sd)
+        out = empty_like_state(sd)
         dcpx.load(out, checkpoint_id="memory://st_remote")
-        _bits_equal(sd, out)
+        assert_state_bit_equal(sd, out)
     finally:
         fs.rm("/st_remote", recursive=True)
 
@@ -331,7 +306,7 @@ def test_async_save_writes_safetensors(tmp_path):
     assert info.length == 4000  # torch's SAFETENSORS entry: the tensor's byte count
     out = {"a": torch.empty(1000), "c": None}
     dcpx.load(out, checkpoint_id=tmp_path)
-    _bits_equal(sd, out)
+    assert_state_bit_equal(sd, out)
 
 
 def _two_rank_safetensors(rank, world, path):
@@ -408,7 +383,7 @@ def test_header_byte_flips_never_crash_or_load_wrong(tmp_path):
         except CorruptCheckpointError as e:
             assert ref.name in str(e), (at, str(e))
         else:
-            _bits_equal(sd, out)
+            assert_state_bit_equal(sd, out)
 
 
 # ------------------------------------------- hostile headers (issue 31, item 11)

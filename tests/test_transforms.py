@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as tdcp
 from torch.distributed.checkpoint._extension import ExtensionRegistry, ZStandard
 
 import dcpx
-from conftest import SAVEABLE_DTYPES, make_tensor
+from conftest import SAVEABLE_DTYPES, make_tensor, assert_state_bit_equal, empty_like_state
 from dcpx.errors import CheckpointError, CorruptCheckpointError
 
 pytest.importorskip("zstandard")
@@ -47,29 +47,6 @@ def _state():
     return sd
 
 
-def _empty_like(sd):
-    out = {}
-    for k, v in sd.items():
-        if isinstance(v, torch.Tensor):
-            out[k] = torch.empty(v.shape, dtype=v.dtype)
-        elif isinstance(v, dict):
-            out[k] = {kk: None for kk in v}
-    return out
-
-
-def _bits_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                           b.contiguous().reshape(-1).view(torch.uint8))
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _bits_equal(a[k], b[k])
-    else:
-        assert a == b
-
-
 def _torch_save(sd, path, **kw):
     tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(str(path), _extensions=[ZStandard()],
                                                        **kw), no_dist=True)
@@ -81,12 +58,12 @@ def test_torch_zstd_loads_in_dcpx(tmp_path, kw):
     _torch_save(sd, tmp_path, **kw)
     md = tdcp.FileSystemReader(str(tmp_path)).read_metadata()
     assert all(v.transform_descriptors == ["stream.zstd/1"] for v in md.storage_data.values())
-    out = _empty_like(sd)
+    out = empty_like_state(sd)
     dcpx.load(out, checkpoint_id=tmp_path)
-    _bits_equal(sd, out)
-    out = _empty_like(sd)
+    assert_state_bit_equal(sd, out)
+    out = empty_like_state(sd)
     tdcp.load(out, storage_reader=dcpx.FileSystemReader(tmp_path), no_dist=True)
-    _bits_equal(sd, out)
+    assert_state_bit_equal(sd, out)
     # a cast and a partial load take the other read paths
     out = {"big": torch.empty(200_000, dtype=torch.float32)}
     dcpx.load(out, checkpoint_id=tmp_path,
@@ -102,12 +79,12 @@ def test_dcpx_zstd_loads_in_torch(tmp_path, kw):
                                                        **kw))
     md = tdcp.FileSystemReader(str(tmp_path)).read_metadata()
     assert all(v.transform_descriptors == ["stream.zstd/1"] for v in md.storage_data.values())
-    out = _empty_like(sd)
+    out = empty_like_state(sd)
     tdcp.load(out, storage_reader=tdcp.FileSystemReader(str(tmp_path)), no_dist=True)
-    _bits_equal(sd, out)
-    out = _empty_like(sd)
+    assert_state_bit_equal(sd, out)
+    out = empty_like_state(sd)
     dcpx.load(out, checkpoint_id=tmp_path)
-    _bits_equal(sd, out)
+    assert_state_bit_equal(sd, out)
     # compressed: the 1.6 MB of arange take far less
     big = next(v for k, v in md.storage_data.items() if k.fqn == "big")
     assert big.length < 400_000
