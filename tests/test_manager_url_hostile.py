@@ -156,7 +156,7 @@ def test_removing_a_linked_piece_folder_removes_the_link_only(tmp_path):
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep.txt").write_text("mine")
-    step = tmp_path / "local" / "step-3" / "r1-s1"
+    step = tmp_path / "local" / "step-3" / "j0123abcd-g1-bx-s1"
     step.mkdir(parents=True)
     (step / "rank-0-of-1").symlink_to(target, target_is_directory=True)
     _pieces.remove_tree(step / "rank-0-of-1")

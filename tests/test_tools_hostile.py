@@ -366,12 +366,12 @@ def test_many_chunks_shapes_decode_alike_both_ways():
 @pytest.mark.parametrize("name", [".metadata\n", "__0_0.distcp\n"])
 def test_piece_index_refuses_a_name_with_a_trailing_newline(name):
     from dcpx.storage import pieces as _pieces
-    index = [[".metadata", 4, 0], ["__0_0.distcp", 4, 0]]
+    index = [[".metadata", 4], ["__0_0.distcp", 4]]
     _pieces.decode_index(json.dumps(index).encode(), "peer 1")          # the real names pass
-    bad = [[name if n == name.rstrip("\n") else n, s, c] for n, s, c in index]
+    bad = [[name if n == name.rstrip("\n") else n, s] for n, s in index]
     with pytest.raises(CorruptCheckpointError, match="peer 1"):
         _pieces.decode_index(json.dumps(bad).encode(), "peer 1")
-    for pattern, ok in ((_pieces.STEP_RE, "step-3"), (_pieces.KEY_RE, "r1-s2"),
+    for pattern, ok in ((_pieces.STEP_RE, "step-3"), (_pieces.KEY_RE, "j0123abcd-g1-bx-s2"),
                         (_pieces.PIECE_RE, "rank-0-of-2")):
         assert pattern.match(ok) and not pattern.match(ok + "\n")
 
@@ -381,19 +381,20 @@ def test_piece_received_over_a_symlinked_destination_leaves_no_link(tmp_path):
     received replaces the link (the link goes, not what it points at) and
     no ``.deleting-`` entry is left behind; one a killed deletion left is
     removed as a link too."""
-    from dcpx import _C
     from dcpx.storage import pieces as _pieces
     target = tmp_path / "elsewhere"
     target.mkdir()
     (target / "keep.txt").write_text("not the tier's")
-    key_dir = tmp_path / "root" / "step-1" / "r1-s1"
+    key_dir = tmp_path / "root" / "step-1" / "j0123abcd-g1-bx-s1"
     key_dir.mkdir(parents=True)
     dest = key_dir / "rank-0-of-1"
     dest.symlink_to(target, target_is_directory=True)
-    data = b"meta"
-    inc = _pieces.Incoming(dest, [[".metadata", len(data), _C.crc32(data)]], "test", sync=False)
+    import dcpx
+    dcpx.save({}, checkpoint_id=tmp_path / "empty")  # a real piece's .metadata: no data files
+    data = (tmp_path / "empty" / ".metadata").read_bytes()
+    inc = _pieces.Incoming(dest, [[".metadata", len(data)]], "test", sync=False)
     try:
-        inc.views()[0][:] = data
+        inc.views()[0][0][:] = data  # the first file's (only) segment
         inc.commit()
     finally:
         inc.close()
