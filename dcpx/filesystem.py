@@ -63,12 +63,13 @@ from .storage.writer import FileSystemWriter, _path_key, _RankPath, complete_met
 
 __all__ = ["FileSystemWriter", "FileSystemReader", "LazyItem"]
 
-# Pickles and reprs name the public module (the classes live in _writer /
-# _reader): a pickled writer (PROCESS checkpointing) stays loadable.
+# Pickles and reprs name the public module (the classes live in storage.writer /
+# storage.reader): a pickled writer (PROCESS checkpointing) stays loadable.
 FileSystemWriter.__module__ = FileSystemReader.__module__ = LazyItem.__module__ = __name__
 
 # A run's step folders (dcpx.CheckpointManager, its tier, dcpx ls).
-from .storage.steps import DELETING_PREFIX, STEP_RE, info_mtime, local_step, step_dir  # noqa: E402,F401
+from .storage.steps import (  # noqa: E402,F401
+    DELETING_PREFIX, STEP_RE, info_mtime, local_step, remove_renamed, step_dir)
 
 # The node-local tier's files (pieces, and the persistent step assembled
 # from them): dcpx.manager.tiers moves them between ranks, dcpx.storage.pieces writes them.

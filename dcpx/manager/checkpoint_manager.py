@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import io
 import os
-import shutil
 import signal
 import stat
 import sys
@@ -43,6 +42,7 @@ from ..errors import (
 )
 from .tiers import LocalTier
 from ..filesystem import (  # noqa: F401  (DELETING_PREFIX, STEP_RE: the manager's names too)
+    remove_renamed,
     DELETING_PREFIX,
     STEP_RE,
     DEAD,
@@ -255,14 +255,7 @@ class _LocalRoot:
         return hidden
 
     def remove(self, hidden: str) -> None:
-        p = self.path / hidden
-        if os.path.islink(p) or not os.path.isdir(p):
-            try:  # a step that was a link (to a folder): the link goes
-                os.unlink(p)
-            except OSError:
-                pass
-            return
-        shutil.rmtree(p, ignore_errors=True)
+        remove_renamed(self.path / hidden)  # a step that was a link: the link alone goes
 
     def reader(self, name: str):
         return FileSystemReader(self.path / name, **self.reader_options)

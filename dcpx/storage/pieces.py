@@ -46,7 +46,7 @@ from .. import _C
 from . import locks as _locks
 from ..formats import metadata as _metadata
 from ..formats.files import _fsync_dir, check_zip_crcs, open_regular, read_regular
-from .steps import DELETING_PREFIX, STEP_RE
+from .steps import DELETING_PREFIX, STEP_RE, remove_renamed as _remove
 from ..errors import CorruptCheckpointError
 
 # \Z, not $: "$" also matches before a trailing newline ("rank-0-of-2\n")
@@ -225,19 +225,6 @@ def remove_tree(path: Path, later: bool = False) -> Any:
         return t
     _remove(hidden)
     return None
-
-
-def _remove(path: Path) -> None:
-    """A renamed-away folder, or a link (to a folder: the link alone goes,
-    never what it points to; rmtree refuses a link and left it)."""
-    import shutil
-    if os.path.islink(path) or not os.path.isdir(path):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        return
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _remove_hidden(hidden: Path) -> None:

@@ -14,6 +14,21 @@ STEP_RE = re.compile(r"^step-(0|[1-9][0-9]*)\Z")  # \Z: "$" matches before a fin
 DELETING_PREFIX = ".deleting-"
 
 
+def remove_renamed(path: Union[str, os.PathLike]) -> None:
+    """Remove a folder renamed away for deletion (``DELETING_PREFIX``), or
+    a link: a link goes alone, never what it points to (``rmtree`` refuses
+    a link and left it behind).  The manager's steps and the tier's pieces
+    are deleted by it."""
+    import shutil
+    if os.path.islink(path) or not os.path.isdir(path):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def step_dir(step: int) -> str:
     """The folder name of ``step``."""
     return f"step-{int(step)}"
