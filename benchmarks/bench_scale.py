@@ -51,8 +51,8 @@ than wall time.
 At load, per rank (rank 0 and rank R//2+1, each with cold caches, as a fresh process):
 dcpx reads and checks ``.metadata`` (``_dist.open_checkpoint``: the C decoder, or
 Python's when it declines) and finds its chunks (``_readplan.direct_plan`` then
-``_dist.plan_reads``, with the rank's chunk given for each key where a DTensor would
-give it); torch's ``FileSystemReader.read_metadata`` + ``DefaultLoadPlanner``.  The bytes
+``_dist.plan_checked``: ``plan_reads``, with the rank's chunk given for each key where a
+DTensor would give it, and the data files it reads checked); torch's ``FileSystemReader.read_metadata`` + ``DefaultLoadPlanner``.  The bytes
 read and the file-system calls (lstat / stat / open / pread / listdir) are counted.
 No tensor data is read.
 
@@ -885,8 +885,9 @@ def dcpx_load_rank(model: Model, r: int, directory: str, keep_reads: bool = Fals
                     plan = _readplan.direct_plan(reader, ck, f, False, key)
                 if plan is not None:
                     raise RuntimeError("simulated load: a direct plan for DTensor stand-ins")
-                serial: list = []
-                reads, _ = _dist.plan_reads(reader, ck.metadata, f, False, serial)
+                # plan_reads, and the data files of its reads checked
+                # (before issue 28 item 4: every file, at open_checkpoint)
+                reads, _, serial = _dist.plan_checked(reader, ck, f, False)
             decoder = "C (mdindex)" if ck.index is not None else "Python"
     finally:
         _dist.local_chunk = real
@@ -896,6 +897,7 @@ def dcpx_load_rank(model: Model, r: int, directory: str, keep_reads: bool = Fals
     if keep_reads:
         out["read_list"] = sorted((x.key, tuple(x.chunk), x.info.offset, x.info.length)
                                   for x in reads + serial)
+        out["infos"] = [x.info for x in reads + serial]
     return out
 
 

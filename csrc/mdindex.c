@@ -6,7 +6,9 @@
  *       for the globals it may name (dcpx/formats/metadata.py, _index_tables);
  *       dtypes[i] = (torch.dtype, storage type name or None).  files: the
  *       data files the storage entries name, each once.
- *   ok = md_index_check(index, sizes)      sizes[f]: bytes of files[f]
+ *   ok = md_index_check(index, sizes)      sizes[f]: bytes of files[f], or
+ *                                          None: files[f] not checked (a
+ *                                          load checks only the files it reads)
  *   d  = md_index_bytes(index, cls)        {fqn: cls(path, offset, length)}
  *                                          for entries without an offset
  *
@@ -970,10 +972,16 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
     while (ssize < 2 * (size_t)ix->nst + 2)
         ssize *= 2;
     Py_ssize_t *seen = NULL;     /* (fqn, offset) of keys not in the state dict */
-    Py_ssize_t ftab[64];         /* files, by name */
-    if (ix->st == NULL)
+    /* files, by name: at most one per storage entry, so the table and the
+     * names (bounded by the pickle's size, as the entries are) are sized
+     * once, ssize slots (a power of two, over twice the entries) */
+    Py_ssize_t *ftab = malloc(ssize * sizeof(Py_ssize_t));
+    ix->files = malloc(sizeof(uint32_t) * 2 * ((size_t)ix->nst + 1));
+    if (ix->st == NULL || ftab == NULL || ix->files == NULL) {
+        free(ftab);
         return -2;
-    memset(ftab, 0xff, sizeof(ftab));
+    }
+    memset(ftab, 0xff, ssize * sizeof(Py_ssize_t));
     rc = 0;
     Py_ssize_t ns = 0;
     for (int32_t s = sd->head; rc == 0 && s >= 0; s = m->s[s].next) {
@@ -1056,12 +1064,11 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
                     me->whole = ns;
             }
             /* its file */
-            size_t fh = (size_t)hash_bytes(rp, rel->len, 0xcbf29ce484222325ULL) & 63;
+            /* (the table holds at most ns + 1 <= nst of its ssize > 2 nst
+             * slots: a probe always ends at a free one) */
+            size_t fh = (size_t)hash_bytes(rp, rel->len, 0xcbf29ce484222325ULL) & (ssize - 1);
             Py_ssize_t fi = -1;
-            for (size_t t = 0; t < 64; t++, fh = (fh + 1) & 63) {
-                Py_ssize_t c = ftab[fh];
-                if (c < 0)
-                    break;
+            for (Py_ssize_t c; (c = ftab[fh]) >= 0; fh = (fh + 1) & (ssize - 1)) {
                 if (ix->files[2 * c + 1] == rel->len &&
                     memcmp(ix->p + ix->files[2 * c], rp, rel->len) == 0) {
                     fi = c;
@@ -1069,27 +1076,16 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
                 }
             }
             if (fi < 0) {
-                if (ix->nfiles >= 32) {  /* many files: leave it to Python */
-                    rc = -1;
-                    break;
-                }
-                uint32_t *g = realloc(ix->files, sizeof(uint32_t) * 2 * (size_t)(ix->nfiles + 1));
-                if (g == NULL) {
-                    rc = -2;
-                    break;
-                }
-                ix->files = g;
                 fi = ix->nfiles++;
                 ix->files[2 * fi] = (uint32_t)rel->num;
                 ix->files[2 * fi + 1] = rel->len;
-                while (ftab[fh] >= 0)
-                    fh = (fh + 1) & 63;
                 ftab[fh] = fi;
             }
             se->file = fi;
         }
     }
     free(seen);
+    free(ftab);
     return rc;
 }
 
@@ -1195,19 +1191,30 @@ PyObject *dcpx_md_index_check(PyObject *Py_UNUSED(module), PyObject *args)
         PyErr_SetString(PyExc_ValueError, "dcpx: md_index_check: one size per file");
         return NULL;
     }
-    int64_t fs[32];
+    int64_t *fs = malloc(sizeof(int64_t) * ((size_t)ix->nfiles + 1));
+    if (fs == NULL)
+        return PyErr_NoMemory();
     for (Py_ssize_t f = 0; f < ix->nfiles; f++) {
-        fs[f] = PyLong_AsLongLong(PyList_GET_ITEM(sizes, f));
-        if (fs[f] == -1 && PyErr_Occurred())
+        PyObject *o = PyList_GET_ITEM(sizes, f);
+        /* None: INT64_MIN, not checked; a negative size: none fits */
+        fs[f] = o == Py_None ? INT64_MIN : PyLong_AsLongLong(o);
+        if (fs[f] == -1 && PyErr_Occurred()) {
+            free(fs);
             return NULL;
+        }
+        if (fs[f] == INT64_MIN && o != Py_None)
+            fs[f] = -1;
     }
-    for (Py_ssize_t k = 0; k < ix->nst; k++) {
+    int ok = 1;
+    for (Py_ssize_t k = 0; ok && k < ix->nst; k++) {
         const mstore *se = &ix->st[k];
         int64_t end;
-        if (__builtin_add_overflow(se->offset, se->length, &end) || end > fs[se->file])
-            Py_RETURN_FALSE;
+        if (fs[se->file] != INT64_MIN &&
+            (__builtin_add_overflow(se->offset, se->length, &end) || end > fs[se->file]))
+            ok = 0;
     }
-    Py_RETURN_TRUE;
+    free(fs);
+    return PyBool_FromLong(ok);
 }
 
 PyObject *dcpx_md_index_bytes(PyObject *Py_UNUSED(module), PyObject *args)

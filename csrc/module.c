@@ -261,7 +261,7 @@ PyDoc_STRVAR(md_index_doc,
 PyDoc_STRVAR(md_index_check_doc,
              "md_index_check($module, index, sizes, /)\n--\n\n"
              "Whether every storage entry's extent lies within its file "
-             "(sizes[f]: bytes of files[f]).");
+             "(sizes[f]: bytes of files[f], or None: files[f] not checked).");
 PyDoc_STRVAR(md_index_bytes_doc,
              "md_index_bytes($module, index, cls, /)\n--\n\n"
              "{fqn: cls(relative_path, offset, length)} for every storage entry "
@@ -276,12 +276,14 @@ PyDoc_STRVAR(md_index_entries_doc,
              "whole: the storage entry of its one whole chunk, or -1.");
 PyDoc_STRVAR(read_plan_md_doc,
              "read_plan_md($module, index, paths, keys, values, exporter, types, "
-             "allow_partial, threads=0, verify=True)\n--\n\n"
+             "allow_partial, threads=0, verify=True, check=None)\n--\n\n"
              "A read plan (as read_plan) for values[i] under keys[i] from an "
              "md_index: (plan, byte_keys, failures), None when the metadata does "
              "not fit a plan, False when a destination cannot be read into in "
              "place.  threads > 0 also runs it at once (failures as "
-             "read_plan_run; else None).");
+             "read_plan_run; else None).  check(files): called with the "
+             "indices of the files the plan reads before any is opened; "
+             "false makes the answer None.");
 PyDoc_STRVAR(check_pickle_doc,
              "check_pickle($module, data, /)\n--\n\n"
              "Raise ValueError unless data is a pickle whose opcodes are safe "

@@ -714,7 +714,14 @@ static void read_serial(rjob *job)
 static void run_threads(rjob *job, int nthreads)
 {
     atomic_store(&job->next, 0);
-    for (Py_ssize_t f = 0; f < job->nfiles; f++) {
+    /* only the files some item reads: a plan over a checkpoint's every
+     * file (read_plan_md) opens the few this rank reads, not R of them */
+    for (Py_ssize_t f = 0; f < job->nfiles; f++)
+        job->fds[f] = -EBADF - 1;
+    for (Py_ssize_t i = 0; i < job->n; i++) {
+        Py_ssize_t f = job->items[i].file;
+        if (job->fds[f] != -EBADF - 1)
+            continue;
         job->fds[f] = dcpx_open_regular(job->paths[f], &job->fwhy[f]);
         if (job->fds[f] < 0)
             job->fds[f] = -errno - 1; /* reported per item */
@@ -1039,19 +1046,23 @@ static int plan_item(rplan *p, Py_ssize_t i, Py_ssize_t file, uint64_t off, uint
 }
 
 /* read_plan_md(index, paths, keys, values, exporter, types, allow_partial,
- *              threads=0, verify=True)
+ *              threads=0, verify=True, check=None)
  *   -> (plan, byte_keys, failures); None when the metadata does not fit a plan (a
  *   missing key, not one whole chunk, another dtype or shape, a dtype not
  *   read in place, a value of another type); False when a destination
  *   cannot be read into in place.  As _readplan.direct_plan with the
  *   Metadata objects, from md_index's tables (mdindex.c).  With threads >
  *   0 the plan is also run at once, through the destinations it has just
- *   taken (failures as read_plan_run; else failures is None). */
+ *   taken (failures as read_plan_run; else failures is None).  check: a
+ *   callable given the indices of the files the plan reads (ascending)
+ *   before any is opened; a false answer makes it None, an exception is
+ *   raised. */
 PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"index", "paths", "keys", "values", "exporter", "types",
-                             "allow_partial", "threads", "verify", NULL};
+                             "allow_partial", "threads", "verify", "check", NULL};
     PyObject *icap, *paths, *keys, *values, *exporter, *types, *fk = NULL, *fv = NULL;
+    PyObject *check = Py_None;
     PyObject *out = NULL, *byte_keys = NULL;
     static PyObject *dtype_name, *shape_name;
     PyObject *failures = NULL;
@@ -1060,9 +1071,9 @@ PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObjec
     dcpx_md_tensor *md = NULL;
     rplan *p = NULL;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO!p|ip:read_plan_md", kwlist, &icap,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOO!p|ipO:read_plan_md", kwlist, &icap,
                                      &paths, &keys, &values, &exporter, &PyTuple_Type,
-                                     &types, &partial, &nthreads, &verify))
+                                     &types, &partial, &nthreads, &verify, &check))
         return NULL;
     if (nthreads < 0 || nthreads > 64) {
         PyErr_SetString(PyExc_ValueError, "dcpx: threads must be in 0..64");
@@ -1198,6 +1209,37 @@ PyObject *dcpx_read_plan_md(PyObject *Py_UNUSED(module), PyObject *args, PyObjec
     if (make_runs(&p->job) < 0) {
         PyErr_NoMemory();
         goto done;
+    }
+    if (check != Py_None) {
+        /* the files the plan reads, ascending, checked by the caller
+         * before any is opened: false makes it None */
+        PyObject *used = PyList_New(0);
+        char *mark = used ? PyMem_RawCalloc((size_t)p->job.nfiles + 1, 1) : NULL;
+        int bad = used == NULL || mark == NULL;
+        for (Py_ssize_t i = 0; !bad && i < p->job.n; i++)
+            mark[p->job.items[i].file] = 1;
+        for (Py_ssize_t f = 0; !bad && f < p->job.nfiles; f++) {
+            if (!mark[f])
+                continue;
+            PyObject *o = PyLong_FromSsize_t(f);
+            bad = o == NULL || PyList_Append(used, o) < 0;
+            Py_XDECREF(o);
+        }
+        PyMem_RawFree(mark);
+        if (bad) {
+            Py_XDECREF(used);
+            if (!PyErr_Occurred())
+                PyErr_NoMemory();
+            goto done;
+        }
+        PyObject *r = PyObject_CallOneArg(check, used);
+        Py_DECREF(used);
+        int ok = r == NULL ? -1 : PyObject_IsTrue(r);
+        Py_XDECREF(r);
+        if (ok < 0)
+            goto done;               /* (free_plan releases the views) */
+        if (ok == 0)
+            goto none;
     }
     if (nthreads > 0) {              /* run it through the views taken above */
         p->job.verify = verify;

@@ -569,3 +569,61 @@ def test_refused_layouts_are_remembered_as_direct_plan_remembers_them(tmp_path):
         for k in sd:
             assert torch.equal(dst[k], sd[k].to(dst[k].dtype)), k
         assert len(_readplan._cache[meta].no_direct) == (0 if cast else 1)
+
+
+# ------------------------------------------------ many data files (issue 28)
+
+def _many_files_metadata(nfiles: int, per_file: int) -> Metadata:
+    """nfiles data files (one per rank, as a job of nfiles ranks writes),
+    per_file whole-tensor keys in each, and a bytes key in the last."""
+    props = TensorProperties(dtype=torch.float32)
+    sdm, storage = {}, {}
+    for f in range(nfiles):
+        for j in range(per_file):
+            k = f"r{f}.w{j}"
+            sdm[k] = TensorStorageMetadata(props, torch.Size([4]), [
+                ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])
+            storage[MetadataIndex(k, [0])] = _StorageInfo(f"__{f}_0.distcp", 64 * j, 64)
+    sdm["step"] = BytesStorageMetadata()
+    storage[MetadataIndex("step")] = _StorageInfo(f"__{nfiles - 1}_0.distcp", 64 * per_file, 9)
+    return Metadata(sdm, storage_data=storage)
+
+
+@pytest.mark.parametrize("nfiles", [33, 40, 1000])
+@pytest.mark.parametrize("writer", ["torch", "dcpx"])
+def test_decoder_takes_checkpoints_of_many_data_files(nfiles, writer):
+    """The C decoder used to leave every checkpoint of more than 32 data
+    files (a job of more than 32 ranks) to Python.  It takes them now, and
+    reads the same tables as the general path; its size check takes one
+    size per file, None for a file not checked (a load checks only the
+    files it reads)."""
+    md = _many_files_metadata(nfiles, 3)
+    raw = _raw(md) if writer == "torch" else _metadata.dumps(md)
+    found = _metadata.index(raw, "x")
+    assert found is not None  # the C path, not Python's
+    index, files = found
+    assert files == [f"__{f}_0.distcp" for f in range(nfiles)]
+    sizes = {name: 64 * 3 + 9 for name in files}
+    assert _check_same(raw, sizes)
+    # one file too short: refused, whichever it is; unchecked: not refused
+    for short in (0, nfiles // 2, nfiles - 1):
+        row = [sizes[n] for n in files]
+        row[short] = 64 * 3 - 1
+        assert _C.md_index_check(index, row) is False
+        row[short] = None
+        assert _C.md_index_check(index, row) is True
+    assert _C.md_index_check(index, [None] * nfiles) is True
+    with pytest.raises(ValueError, match="one size per file"):
+        _C.md_index_check(index, [sizes[n] for n in files][:-1])
+    with pytest.raises(TypeError):
+        _C.md_index_check(index, ["64"] * nfiles)
+
+
+def test_decoder_many_files_hostile_names_still_refused():
+    """Past 32 files the names are still checked one by one: a file name
+    that leaves the directory, anywhere among 1,000, leaves the file to the
+    general path (which refuses it)."""
+    for bad in ("../x", "a/b", ".."):
+        md = _many_files_metadata(1000, 1)
+        md.storage_data[MetadataIndex("r777.w0", [0])].relative_path = bad
+        assert _metadata.index(_raw(md), "x") is None

@@ -1009,8 +1009,7 @@ def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRea
         # A destination changed (None) or a read failed: plan this load
         # anew, which raises what a load without the cache raises.
         _readplan.drop_plan(ck, key, failed=failures is not None)
-    serial: list = []
-    reads, byte_keys = plan_reads(reader, ck.metadata, flat, allow_partial_load, serial)
+    reads, byte_keys, serial = plan_checked(reader, ck, flat, allow_partial_load)
     reader.read_tensors(reads)
     for r in serial:  # overlapping chunks: one at a time, in torch's order
         reader.read_tensors([r])
@@ -1018,11 +1017,31 @@ def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRea
     return False
 
 
+def plan_checked(reader: FileSystemReader, ck: _readplan.Checkpoint, flat: dict,
+                 allow_partial_load: bool) -> tuple[list, list, list]:
+    """plan_reads from ``ck``, and the data files of its reads checked
+    (each rank checks only the files it reads: _readplan.need_files).
+    (reads, bytes keys, serial reads)."""
+    serial: list = []
+    reads, byte_keys = plan_reads(reader, ck.metadata, flat, allow_partial_load, serial)
+    names = {r.info.relative_path for r in reads}
+    names.update(r.info.relative_path for r in serial)
+    if not _readplan.need_files(reader, ck, names):
+        # ck turned to the general path (SAFETENSORS data files): its
+        # entries are not the ones just planned from
+        serial = []
+        reads, byte_keys = plan_reads(reader, ck.metadata, flat, allow_partial_load, serial)
+    return reads, byte_keys, serial
+
+
 def _load_values(flat: dict, mappings: dict, original: dict, reader: FileSystemReader,
                  ck: _readplan.Checkpoint, byte_keys: list) -> None:
     if not byte_keys:
         return
     index = ck.byte_info()
+    names = {index[k].relative_path for k in byte_keys if k in index}
+    if not _readplan.need_files(reader, ck, names):
+        index = ck.byte_info()
     for fqn in byte_keys:
         info = index.get(fqn)
         if info is None:

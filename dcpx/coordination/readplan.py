@@ -20,8 +20,8 @@ What makes an entry valid (docs/design.md, "The read-plan cache"):
   (st_dev, st_ino, st_size, st_mtime_ns) must equal the cached ones: a new
   save (a new file renamed in), or a rewrite with the same size and mtime,
   misses;
-* every data file the metadata names has the identity (st_dev, st_ino,
-  st_size, st_mode, st_mtime_ns) it had when the entries were checked, else
+* every data file checked so far has the identity (st_dev, st_ino,
+  st_size, st_mode, st_mtime_ns) it had when its entries were checked, else
   the checkpoint is checked again from scratch;
 * a destination that is not what the plan was made for (another type,
   dtype, shape, device, non-contiguous, a neg / conj bit) makes the run read
@@ -30,6 +30,16 @@ What makes an entry valid (docs/design.md, "The read-plan cache"):
   leaves to torch) turns the plan off for that checkpoint: the load, and
   every later one, takes the uncached path, which raises exactly what a
   load without the cache would.
+
+Each rank touches only the data files it reads (issue 28): opening a
+checkpoint reads ``.metadata`` alone and checks what needs no file (names,
+extents, types); ``need_files`` checks each data file when a load first
+reads from it (found regular by lstat, no link, every extent the metadata
+gives in it inside its size, and for the C decoder's tables a TORCH_SAVE
+file: ``_entries.plain_zip_files``), and raises the error the whole
+checkpoint's check would raise for it.  A data file that is not TORCH_SAVE
+(SAFETENSORS) turns the checkpoint back to the general path: decoded,
+every file checked and resolved (``_entries.resolve``) as before.
 
 At most ``MAX_CHECKPOINTS`` checkpoints and ``MAX_PLANS`` layouts each are
 kept (least recently used first out).  ``clear()`` empties the cache.
@@ -47,7 +57,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import _C
-from ..formats import entries as _entries, metadata as _metadata
+from ..formats import entries as _entries, metadata as _metadata, safetensors as _st
 from ..formats.safetensors import is_raw
 from ..formats.dtypes import _TO_DLPACK, _needs_int_view, storage_type_name
 
@@ -91,15 +101,21 @@ class Checkpoint:
     one."""
 
     __slots__ = ("ident", "raw", "where", "_md", "files", "plans", "no_plan", "byte_index",
-                 "whole_index", "no_direct", "index", "_nkeys")
+                 "whole_index", "no_direct", "index", "_nkeys", "names", "lazy", "_by_file")
 
     def __init__(self, ident: Optional[tuple], raw: bytes, metadata: Optional[Metadata],
-                 files: dict, where: str = "", index: Any = None) -> None:
+                 files: dict, where: str = "", index: Any = None,
+                 names: Optional[list] = None, lazy: bool = False) -> None:
         self.ident = ident            # None: not cached (metadata kept as given)
         self.raw = raw
         self.where = where
         self._md: Optional[Metadata] = metadata
         self.files = files            # data file name -> identity when checked
+        # lazy: the data files are checked as a load first reads each
+        # (need_files), not when the checkpoint is opened
+        self.lazy = lazy
+        self.names = names            # the C tables' data files, in their order
+        self._by_file: Optional[dict] = None  # name -> its storage entries
         self.plans: OrderedDict = OrderedDict()
         self.no_plan = False          # a plan run failed: plan every load
         self.no_direct: OrderedDict = OrderedDict()  # layouts read_plan refused
@@ -138,6 +154,7 @@ class Checkpoint:
         if self.ident is not None:
             self._md = None
             self.whole_index = None
+            self._by_file = None
 
     def whole_chunks(self) -> dict:
         """fqn -> storage info of every non-empty tensor saved as one
@@ -159,6 +176,20 @@ class Checkpoint:
                         index[k.fqn] = v
             self.whole_index = index
         return self.whole_index
+
+    def entries_in(self, names: list) -> Metadata:
+        """The Metadata restricted to the storage entries in data files
+        ``names`` (the state dict metadata whole)."""
+        if self._by_file is None:
+            by: dict = {}
+            for k, v in self.metadata.storage_data.items():
+                by.setdefault(getattr(v, "relative_path", None), {})[k] = v
+            self._by_file = by
+        storage: dict = {}
+        for name in names:
+            storage.update(self._by_file.get(name, {}))
+        return Metadata(state_dict_metadata=self.metadata.state_dict_metadata,
+                        storage_data=storage)
 
     def byte_info(self) -> dict:
         """fqn -> storage info of every non-tensor value."""
@@ -203,6 +234,19 @@ def checkpoint(reader, rank: Optional[int] = None) -> Checkpoint:
         _remember(key, ck)
         return ck
     md = _metadata.loads(raw, key)
+    if not _st.candidates(md):
+        # no entry that could be a SAFETENSORS blob: no data file needed
+        # until a load reads from it (need_files)
+        reader._validate_storage(md, files=False)
+        ck = Checkpoint(ident, raw, md, {}, key, lazy=True)
+        _remember(key, ck)
+        return ck
+    return _general(reader, raw, md, key, ident)
+
+
+def _general(reader, raw: bytes, md: Metadata, key: str, ident: Optional[tuple]) -> Checkpoint:
+    """The checkpoint checked whole: every data file, the SAFETENSORS
+    entries resolved."""
     reader._validate_storage(md)
     resolved = _entries.resolve(reader.path, md)
     if resolved is not md:
@@ -234,29 +278,73 @@ def _remember(key: str, ck: Checkpoint) -> None:
 def _indexed(reader, raw: bytes, ident: tuple, key: str) -> Optional[Checkpoint]:
     """The checkpoint as the C decoder reads it (csrc/mdindex.c): its
     tables, checked as ``_metadata.loads`` and ``_validate_storage`` check
-    the Metadata, and its data files (regular, each extent inside its
-    file).  None when any of that is not so, or the decoder leaves the file
-    to Python: the caller then decodes and checks it again, and raises
-    what it finds."""
+    the Metadata without its files (need_files checks each as a load
+    first reads it).  None when the decoder leaves the file to Python:
+    the caller then decodes and checks it, and raises what it finds."""
     found = _metadata.index(raw, key)
     if found is None:
         return None
     index, names = found
-    files, sizes = {}, []
-    for name in names:
+    # the data files: checked as a load reads each (need_files)
+    return Checkpoint(ident, raw, None, {}, key, index, names, lazy=True)
+
+
+def need_files(reader, ck: Checkpoint, names) -> bool:
+    """Check the data files ``names`` of ``ck`` that no load checked yet,
+    before this rank reads them, as opening the checkpoint checked every
+    file before issue 28: each found regular (no link), every extent in it
+    inside its size; raises the error that check raises (naming the file
+    and a key).  With the C decoder's tables each must be a TORCH_SAVE
+    file too: if one is not, ``ck`` turns to the general path (decoded,
+    every file checked, SAFETENSORS entries resolved, not cached; the
+    reader set up again) and the answer is False: what was planned from
+    ``ck`` must be planned again."""
+    todo = [n for n in dict.fromkeys(names) if n not in ck.files]
+    if not ck.lazy or not todo:
+        return True
+    if ck.index is None:
+        stats: dict = {}
+        reader._validate_storage(ck.entries_in(todo), stats=stats)
+        for name in todo:
+            ck.files[name] = _file_ident(stats[name])
+        return True
+    stats, sizes = {}, {}
+    for name in todo:
         try:
             st = os.lstat(reader.path / name)
         except OSError:
-            return None
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        files[name] = _file_ident(st)
-        sizes.append(st.st_size)
-    if not _C.md_index_check(index, sizes):
-        return None
-    if not _entries.plain_zip_files(reader.path, names, sizes):
-        return None  # SAFETENSORS or stream-transformed data files
-    return Checkpoint(ident, raw, None, files, key, index)
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            break
+        stats[name] = st
+        sizes[name] = st.st_size
+    else:
+        if _C.md_index_check(ck.index, [sizes.get(n) for n in ck.names]):
+            if not _entries.plain_zip_files(reader.path, todo, [sizes[n] for n in todo]):
+                _to_general(reader, ck)  # SAFETENSORS (or unreadable: it says why)
+                return False
+            for name in todo:
+                ck.files[name] = _file_ident(stats[name])
+            return True
+    # a file missing, not regular, or too short: the checks' own error
+    reader._validate_storage(ck.entries_in(todo))
+    _to_general(reader, ck)  # changed since: the general path says what it finds
+    return False
+
+
+def _to_general(reader, ck: Checkpoint) -> None:
+    """Turn ``ck`` (lazily checked) into what the general path makes of
+    the same bytes, in place, and set ``reader`` up for it again."""
+    md = _metadata.loads(ck.raw, ck.where)
+    general = _general(reader, ck.raw, md, ck.where, ck.ident)
+    with _lock:
+        if _cache.get(ck.where) is ck:
+            del _cache[ck.where]
+        ck.plans.clear()
+    ck.ident, ck._md, ck.files, ck.index, ck.names = None, general.metadata, general.files, None, None
+    ck.lazy, ck.byte_index, ck.whole_index, ck._by_file = False, None, None, None
+    ck.no_plan = general.no_plan
+    reader._set_up_cached(ck, reader.rank, reader.use_collectives)
 
 
 def cacheable(reader) -> bool:
@@ -343,6 +431,7 @@ def direct_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool,
     # plan's arrays are allocated, so that the two do not add up at the
     # load's peak of memory.
     sdm = whole = md = info = obj = None
+    need_files(reader, ck, list(files))  # (not the C tables': no turn to the general path)
     ck.release()
     paths = [str(reader.path / p) for p in files]
     capsule = _C.read_plan(paths, items, list(flat.values()), _TO_DLPACK, _PLAIN_TYPES)
@@ -366,10 +455,12 @@ def _indexed_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool,
     is made, through the destinations it has just taken (a fresh
     checkpoint's load exports each tensor once, not twice); run_plan
     returns that run's failures."""
-    paths = [str(reader.path / p) for p in ck.files]
+    names = ck.names
+    paths = [str(reader.path / p) for p in names]
     got = _C.read_plan_md(ck.index, paths, list(flat), list(flat.values()), _TO_DLPACK,
                           _PLAIN_TYPES, allow_partial_load, threads=reader.thread_count,
-                          verify=reader.verify)
+                          verify=reader.verify,
+                          check=lambda used: need_files(reader, ck, [names[f] for f in used]))
     if got is None:
         return None
     if got is False:  # e.g. CUDA or non-contiguous destinations: do not try again

@@ -360,10 +360,14 @@ class FileSystemReader(StorageReader):
         return validate_checkpoint_id(checkpoint_id)
 
     # -- dcpx's pieces ----------------------------------------------------
-    def _validate_storage(self, metadata: Metadata) -> None:
+    def _validate_storage(self, metadata: Metadata, files: bool = True,
+                          stats: Optional[dict] = None) -> None:
         """Reject paths that escape the directory and impossible extents
-        before anything is read."""
-        for _, error in self._storage_problems(metadata):
+        before anything is read.  ``files`` False: only what needs no file
+        (names, offsets, transforms), for a load that checks each data file
+        as it first reads it (dcpx.coordination.readplan.need_files).
+        ``stats``: filled with each data file's lstat, by name."""
+        for _, error in self._storage_problems(metadata, files, stats):
             raise error
 
     def check_storage(self, metadata: Metadata) -> list[tuple[MetadataIndex, Exception]]:
@@ -375,15 +379,17 @@ class FileSystemReader(StorageReader):
         every entry can be read (``set_up_storage_reader`` raises the first)."""
         return list(self._storage_problems(metadata))
 
-    def _storage_problems(self, metadata: Metadata):
+    def _storage_problems(self, metadata: Metadata, files: bool = True,
+                          stats: Optional[dict] = None):
         sizes: dict[str, int] = {}  # data files found regular, by name
         for index, info in metadata.storage_data.items():
             try:
-                self._check_entry(index, info, sizes)
+                self._check_entry(index, info, sizes, files, stats)
             except Exception as e:  # noqa: B902 - each is the entry's own error
                 yield index, e
 
-    def _check_entry(self, index: Any, info: Any, sizes: dict[str, int]) -> None:
+    def _check_entry(self, index: Any, info: Any, sizes: dict[str, int], files: bool = True,
+                     stats: Optional[dict] = None) -> None:
         if not isinstance(info, _StorageInfo):
             raise CorruptCheckpointError(f"{self.path}: bad storage entry for {index}")
         rel = info.relative_path
@@ -393,6 +399,13 @@ class FileSystemReader(StorageReader):
                 raise CorruptCheckpointError(
                     f"{self.path}: metadata names data file {rel!r} outside the "
                     f"checkpoint directory (refused)")
+        if not files:
+            if (not isinstance(info.offset, int) or not isinstance(info.length, int)
+                    or info.offset < 0 or info.length < 0):
+                raise CorruptCheckpointError(
+                    f"{self.path / rel}: key {getattr(index, 'fqn', index)!r}: extent "
+                    f"[{info.offset}, +{info.length}) is not a place in a file")
+        elif rel not in sizes:
             try:
                 st = os.lstat(self.path / rel)
             except FileNotFoundError:
@@ -404,7 +417,9 @@ class FileSystemReader(StorageReader):
                     self.path / rel, st.st_mode,
                     f"data file (needed by key {getattr(index, 'fqn', index)!r}) ")
             sizes[rel] = st.st_size
-        if (not isinstance(info.offset, int) or not isinstance(info.length, int)
+            if stats is not None:
+                stats[rel] = st
+        if files and (not isinstance(info.offset, int) or not isinstance(info.length, int)
                 or info.offset < 0 or info.length < 0
                 or info.offset + info.length > sizes[rel]):
             raise CorruptCheckpointError(
