@@ -168,6 +168,9 @@ def fresh(ctx) -> None:
     clear = getattr(_dist, "clear_exchange_cache", None)
     if clear is not None:  # (a dcpx without the digest exchange fails at the checks' asserts)
         clear()
+    # These checks are of the exchange by digest: no steady-state save
+    # (tests/test_steady_state.py) in between.
+    _dist.steady_state_enabled = False
     dist.barrier()
 
 

@@ -37,6 +37,7 @@ import dataclasses
 import hashlib
 import os
 import pickle
+import re
 import threading
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -158,6 +159,7 @@ def abort_save(group, error: BaseException) -> None:
     others through the save's first two collectives, so that they raise at
     once instead of waiting for it; then raise ``error``."""
     g = _Group(group)
+    _agree(g, 0)  # the save's first collective: not a steady-state save
     gathered = g.gather(_failure(g.rank, error))
     replies = None
     if g.is_coordinator:
@@ -361,18 +363,41 @@ class _LazyMetadata(Metadata):
     """The Metadata a non-coordinator rank returns: decoded from the
     coordinator's bytes on first use (most callers never look)."""
 
-    def __init__(self, data: bytes, where: str) -> None:  # noqa: D107
+    def __init__(self, data: bytes, where: str, files: Optional[tuple] = None,
+                 retag: Optional[tuple] = None) -> None:  # noqa: D107
         self.__dict__["_dcpx_encoded"] = (data, where)
+        # The data files it names (for the commit's cleanup, undecoded).
+        self.__dict__["_dcpx_files"] = files
+        # (old tag, new tag, storage_meta): ``data`` is the last full save's
+        # metadata, of which this steady-state save's differs only there.
+        self.__dict__["_dcpx_retag"] = retag
 
     def _decode(self) -> None:
         enc = self.__dict__.pop("_dcpx_encoded", None)
         if enc is not None:
             md = _metadata.loads(*enc)
+            retag = self.__dict__.pop("_dcpx_retag", None)
+            if retag is not None:
+                _retag(md, *retag)
             for f in dataclasses.fields(Metadata):
                 self.__dict__[f.name] = getattr(md, f.name)
 
     def __reduce__(self):
         return (Metadata, tuple(getattr(self, f.name) for f in dataclasses.fields(Metadata)))
+
+
+def _retag(md: Metadata, old: str, new: str, storage_meta: Any) -> None:
+    """``md`` with its data file names of save tag ``old`` renamed to tag
+    ``new`` (``__{rank}_{tag}_{i}.distcp``) and ``storage_meta`` set."""
+    pat = re.compile(r"(__\d+_)" + re.escape(old) + r"(_\d+\.distcp)\Z")
+    renamed: dict = {}
+    for k, si in md.storage_data.items():
+        name = renamed.get(si.relative_path)
+        if name is None:
+            name = renamed[si.relative_path] = pat.sub(lambda m: m.group(1) + new + m.group(2),
+                                                       si.relative_path)
+        md.storage_data[k] = _StorageInfo(name, si.offset, si.length)
+    md.storage_meta = storage_meta
 
 
 def _lazy_field(name: str) -> property:
@@ -444,6 +469,13 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
                                                               path_key(writer.path))
     except Exception as e:
         own, msg = e, _failure(g.rank, e)
+    # 0. steady state: every rank's plan, path and writer are those of the
+    # last save it committed with the others (one fixed-size all-reduce)
+    steady = None if own is not None or prepared else _steady_for(sent, writer, msg[2], g)
+    if _agree(g, 0 if steady is None else steady.key):
+        return _save_steady(writer, g, gkey, items, payloads, sent, steady, prepare, write)
+    if sent is not None and sent.steady is not None:
+        sent = sent._replace(steady=None)
     gathered = g.gather(msg)
     # 2. coordinator: global plan -> each rank
     plan = None
@@ -484,9 +516,11 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
     _, prefix, mine, token = reply
     if mine is None:  # the assignment this rank holds (it sent its token)
         mine = sent.assign
-    _remember_sent(gkey, sent._replace(token=token, assign=mine))
+    sent = sent._replace(token=token, assign=mine)
+    _remember_sent(gkey, sent)
     # 3. write; file layout + status -> coordinator
     names: list = []
+    layout: list = []
     try:
         writer._prepare_dir()
         names, layout = write(writer, prefix,
@@ -494,20 +528,233 @@ def _save(writer: FileSystemWriter, flat: dict, mappings: dict, group,
         msg = ("ok", names, layout)
     except Exception as e:
         own, msg = e, _failure(g.rank, e)
+    return _gather_and_commit(writer, g, gkey, sent, plan, msg, names, layout, own,
+                              _tag_of(prefix, g.rank))
+
+
+def _gather_and_commit(writer: FileSystemWriter, g: _Group, gkey: tuple, sent: _Sent,
+                       plan: Optional[GlobalPlan], msg: tuple, names: list, layout: list,
+                       own: Optional[BaseException], tag: Optional[str]) -> Metadata:
+    """Steps 3 and 4 of a full exchange: every rank's files and layout ->
+    coordinator, which commits; outcome -> every rank, which then holds what
+    the next save needs to take the steady-state path."""
     gathered = g.gather(msg)
-    # 4. coordinator commits; outcome -> every rank
     outcome = None
     metadata = None
+    cell: list = [None]
     if g.is_coordinator:
-        outcome, metadata = _commit(writer, plan, gathered, own)
+        outcome, metadata = _commit(writer, plan, gathered, own, cell=cell)
+        if outcome[0] == "ok":
+            sid = 0
+            if cell[0] is not None and _steady_writer(writer):
+                # in [2**61, 2**62): a pickle of fixed size
+                sid = _SID_BASE + int.from_bytes(os.urandom(8), "little") % _SID_BASE
+            outcome = outcome + (sid,)
     outcome = g.broadcast(outcome)
     if outcome[0] != "ok":
         if outcome[0] == "err":
             _discard(writer, names)  # nothing will ever reference these files
+        if sent is not None:
+            _remember_sent(gkey, sent._replace(steady=None))
         _raise_remote("save", outcome[1], own, writer.path)
+    sid = outcome[2] if len(outcome) > 2 else 0
+    steady = None
+    if sid and sent is not None and _steady_writer(writer):
+        path = path_key(writer.path)
+        config = _writer_config(writer)
+        if tag is not None:
+            files = middle = base = None
+            known = None
+            if g.is_coordinator:
+                known = plan
+                files = tuple(len(m[1]) for m in gathered)
+                middle = cell[0]
+            else:
+                base = outcome[1]
+            steady = _Steady(sid, _steady_key(sid, path, config), path, config, len(names),
+                             layout, tag, base, known, files, middle)
+    if sent is not None:
+        _remember_sent(gkey, sent._replace(steady=steady))
     if metadata is None:
         metadata = _LazyMetadata(outcome[1], str(writer.path / _metadata.METADATA_FN))
     return metadata
+
+
+# ------------------------------------------------------------ steady state
+#
+# A save whose every rank's plan (keys, signatures, sizes of the non-tensor
+# values, mappings: _local_message's comparison), path and writer
+# configuration are those of the last save it committed with the others
+# exchanges no plan, assignment or layout: one all-reduce of a 16-byte
+# tensor finds that every rank holds the same save id (rank 0 draws one at
+# random for each committed save of a full exchange, and every rank keeps
+# it with its own files and layout of that save), rank 0 broadcasts the new
+# save's tag, each rank writes the items it wrote last time, and a second
+# all-reduce finds that every rank's files and layout are those of that
+# save (the C writer lays out the same items of the same sizes the same
+# way; compared, not assumed).  Rank 0 then writes the .metadata from the
+# last save's encoded middle (dcpx.formats.metadata.split_dumps) with the
+# new file names and storage_meta, and broadcasts only the outcome and
+# storage_meta; the other ranks' Metadata is the last full save's, renamed,
+# decoded on first use.  A rank whose plan or path changed (or that failed
+# before the check) sends 0, and the save takes the full exchange; a layout
+# that differs after the write takes the full gather of layouts and rank
+# 0's full commit, in the same save.  docs/design.md, "Steady-state saves".
+
+_SID_SPAN = (1 << 62) - 1
+_SID_BASE = 1 << 61
+
+#: False: every save takes the full exchange (its plan by digest when
+#: unchanged); tests of that exchange set it, on every rank alike.
+steady_state_enabled = True
+
+#: steady-state saves committed by this process (tests look at it)
+STEADY_SAVES = [0]
+
+
+class _Steady(NamedTuple):
+    """The last save a rank committed with the others by a full exchange."""
+    sid: int                # rank 0's id for it
+    key: int                # this rank's contribution to the check
+    path: str
+    config: tuple           # _writer_config
+    nfiles: int             # this rank's data files
+    layout: list            # its (item, file, offset, length)
+    tag: str                # the save's tag (in its file names)
+    base: Optional[bytes]   # not rank 0: the save's encoded metadata
+    plan: Optional[GlobalPlan]      # rank 0: the global plan
+    files: Optional[tuple]          # rank 0: data files per rank
+    middle: Optional[bytes]         # rank 0: the encoded middle
+
+
+def _writer_config(writer: FileSystemWriter) -> tuple:
+    return (type(writer), bool(writer.single_file_per_rank), writer.thread_count,
+            writer.plain_format(), bool(writer.sync_files))
+
+
+def _steady_writer(writer: FileSystemWriter) -> bool:
+    """A writer whose metadata the steady-state path may encode itself."""
+    return (type(writer).encode_metadata is FileSystemWriter.encode_metadata
+            and writer.plain_format())
+
+
+def _steady_key(sid: int, path: str, config: tuple) -> int:
+    h = _digest(repr((sid, path, config[1:], config[0].__qualname__)).encode())
+    return 1 + int.from_bytes(h[:8], "little") % _SID_SPAN
+
+
+def _tag_of(prefix: str, rank: int) -> Optional[str]:
+    """The save tag in this rank's file prefix ``__{rank}_{tag}_`` (None:
+    a prefix without one)."""
+    m = re.match(r"__%d_(.+)_\Z" % rank, prefix)
+    return None if m is None else m.group(1)
+
+
+def _steady_for(sent: _Sent, writer: FileSystemWriter, path: str, g: _Group) -> Optional[_Steady]:
+    """This rank's steady state, if this save can repeat its last one."""
+    st = sent.steady
+    if st is None or not steady_state_enabled or not _steady_writer(writer) or st.config != _writer_config(writer):
+        return None
+    if g.is_coordinator and (st.plan is None or st.middle is None or st.files is None
+                             or len(st.files) != g.size):
+        return None
+    if not g.is_coordinator and st.base is None:
+        return None
+    if st.path != path:  # the ranks agree on the new path (it is in the key)
+        st = st._replace(path=path, key=_steady_key(st.sid, path, st.config))
+    return st
+
+
+def _coll_device(group) -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_object_coll_device
+        return torch.device(_get_object_coll_device(group))
+    except Exception:  # another torch's private name: gloo's device
+        return torch.device("cpu")
+
+
+def _agree(g: _Group, key: int) -> bool:
+    """Whether every rank passed the same nonzero ``key`` (one all-reduce of
+    16 bytes; the same answer on every rank)."""
+    t = torch.tensor([key, -key], dtype=torch.int64, device=_coll_device(g.group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g.group)
+    hi, neg_lo = t.tolist()
+    return hi == -neg_lo and hi > 0
+
+
+def _save_steady(writer: FileSystemWriter, g: _Group, gkey: tuple, items: list,
+                 payloads: list, sent: _Sent, st: _Steady, prepare: Callable,
+                 write: Callable) -> Metadata:
+    """A save every rank found to repeat the last one (see above)."""
+    own: Optional[BaseException] = None
+    tag_msg = None
+    if g.is_coordinator:
+        try:
+            tag_msg = ("ok", writer._tag())
+        except Exception as e:
+            own, tag_msg = e, ("err", [_failure(0, e)[1]])
+    tag_msg = g.broadcast(tag_msg)
+    if tag_msg[0] != "ok":
+        _remember_sent(gkey, sent._replace(steady=None))
+        _raise_remote("save planning", tag_msg[1], own, writer.path)
+    tag = tag_msg[1]
+    prefix = writer._prefix(g.rank, tag)
+    names: list = []
+    layout: list = []
+    same = False
+    try:
+        writer._prepare_dir()
+        names, layout = write(writer, prefix, _prepared_entries(items, payloads, False, sent,
+                                                                sent.assign, prepare))
+        msg = ("ok", names, layout)
+        same = (len(names) == st.nfiles and layout == st.layout
+                and names == [f"{prefix}{i}.distcp" for i in range(st.nfiles)])
+    except Exception as e:
+        own, msg = e, _failure(g.rank, e)
+    if not _agree(g, 1 if same else 0):
+        # A rank failed or laid out its items otherwise: the full gather of
+        # layouts and rank 0's full commit, with the plan of the last save.
+        return _gather_and_commit(writer, g, gkey, sent, st.plan, msg, names, layout, own,
+                                  tag)
+    outcome = None
+    metadata = None
+    if g.is_coordinator:
+        outcome, metadata = _commit_steady(writer, st, tag)
+    outcome = g.broadcast(outcome)
+    if outcome[0] != "ok":
+        if outcome[0] == "err":
+            _discard(writer, names)
+        _remember_sent(gkey, sent._replace(steady=None))
+        _raise_remote("save", outcome[1], own, writer.path)
+    STEADY_SAVES[0] += 1
+    if metadata is None:
+        metadata = _LazyMetadata(st.base, str(writer.path / _metadata.METADATA_FN),
+                                 retag=(st.tag, tag, outcome[1]))
+    return metadata
+
+
+def _commit_steady(writer: FileSystemWriter, st: _Steady, tag: str) -> tuple:
+    """Rank 0's commit of a steady-state save: the last full save's encoded
+    middle with this save's file names and storage_meta."""
+    try:
+        names = tuple(f"{writer._prefix(r, tag)}{i}.distcp"
+                      for r, n in enumerate(st.files) for i in range(n))
+        storage_meta = writer.storage_meta()
+        head = new_metadata(state_dict_metadata={}, planner_data={}, storage_data={},
+                            storage_meta=storage_meta, version=DCP_VERSION)
+        out = _metadata.split_dumps(head, names, st.middle)
+        if out is None:
+            raise CheckpointError("dcpx: the metadata encoder declined a steady-state save")
+        data = out[0]
+        metadata = _LazyMetadata(data, str(writer.path / _metadata.METADATA_FN),
+                                 files=frozenset(names))
+    except Exception as e:
+        return ("err", [_failure(0, e)[1]]), None
+    try:
+        writer.commit(metadata, data)
+    except Exception as e:
+        return ("unknown", [f"rank 0: commit: {type(e).__name__}: {e}"]), None
+    return ("ok", storage_meta), metadata
 
 
 # ------------------------------------------------------------ plan exchange
@@ -545,6 +792,7 @@ class _Sent(NamedTuple):
     digest: bytes       # of _blob(items, mappings)
     token: Optional[bytes]   # the held assignment's token
     assign: Optional[list]   # indices into items this rank wrote
+    steady: Any = None       # _Steady: the last save committed by a full exchange
 
 
 # (group, rank, size) -> _Sent, for the last 4 groups saved on (e.g. the
@@ -727,23 +975,37 @@ def _coordinate(writer: FileSystemWriter, gathered: list) -> tuple:
 
 
 def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list,
-            own: Optional[BaseException], rank: int = 0) -> tuple:
+            own: Optional[BaseException], rank: int = 0,
+            cell: Optional[list] = None) -> tuple:
     """(outcome for every rank, Metadata or None).  Outcome ``("err", ...)``
     means nothing was committed; ``("unknown", ...)`` that the commit failed
-    after the metadata may have become visible."""
+    after the metadata may have become visible.  dcpx's own encoder writes
+    the split form (dcpx.formats.metadata.split_dumps), and ``cell[0]``
+    gets its reusable middle (None if there is none)."""
     errors = [m[1] for m in gathered if m[0] != "ok"]
     if errors or plan is None:
         return ("err", errors or ["planning failed"]), None
     try:
         storage_data = {}
+        all_names = []
         for r, (_, names, layout) in enumerate(gathered):
+            all_names.extend(names)
             for i, f, off, length in layout:
                 storage_data[plan.index[(r, i)]] = _StorageInfo(names[f], off, length)
         # Own dicts: the plan may be reused by the next save (_GLOBAL_PLANS).
         metadata = new_metadata(state_dict_metadata=dict(plan.state_dict_metadata),
                             planner_data=dict(plan.planner_data), storage_data=storage_data,
                             storage_meta=writer.storage_meta(), version=DCP_VERSION)
-        data = writer.encode_metadata(metadata)
+        out = None
+        if (type(writer).encode_metadata is FileSystemWriter.encode_metadata
+                and len(set(all_names)) == len(all_names)):
+            out = _metadata.split_dumps(metadata, tuple(all_names))
+        if out is not None:
+            data = out[0]
+            if cell is not None:
+                cell[0] = out[1]
+        else:
+            data = writer.encode_metadata(metadata)
     except Exception as e:
         return ("err", [_failure(rank, e)[1]]), None
     try:

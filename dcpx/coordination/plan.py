@@ -119,11 +119,19 @@ _SHARDS: dict = {}
 def local_chunk(obj: torch.Tensor) -> tuple[torch.Tensor, torch.Size, torch.Size]:
     """(local data, global offsets, sizes) of a tensor on this rank.
 
-    A DTensor's shard depends only on its global shape, mesh and placements
-    (and this rank's place in the mesh), and torch computes it in ~80 us;
-    models have few distinct (shape, mesh, placements), so it is cached."""
+    A DTensor's shard depends only on its global shape, placements, mesh and
+    this rank's coordinate in the mesh, and torch computes it in ~80 us;
+    models have few distinct (shape, placements, mesh, coordinate), so it is
+    cached under all four.  The coordinate is part of the key: meshes compare
+    equal by their ranks and layout, not by which of those ranks this process
+    is, so a process that joins a new group as another rank (an in-process
+    restart, a simulation of many ranks) would otherwise get the offsets of
+    the rank it was before."""
     if is_dtensor(obj):
-        key = (obj.shape, tuple(obj.placements), obj.device_mesh)
+        mesh = obj.device_mesh
+        coord = mesh.get_coordinate()
+        key = (obj.shape, tuple(obj.placements), mesh,
+               None if coord is None else tuple(coord))
         shard = _SHARDS.get(key)
         if shard is None:
             chunk = dtensor_chunk(obj)

@@ -165,6 +165,47 @@ def _split_body(metadata: _md.Metadata, splice: Splice) -> bytes | None:
     return body
 
 
+def split_dumps(metadata: _md.Metadata, names: tuple,
+                middle: Optional[bytes] = None) -> tuple[bytes, Optional[bytes]] | None:
+    """A multi-rank save's .metadata bytes in the split form ("Reuse of the
+    encoded body" above; dcpx.coordination.dist, "Steady-state saves"):
+    (data, middle), the middle reusable by a later save with as many data
+    files, the same plan and the same layouts (None when it is not: a
+    name is also a key or a planner_data string, so it is written out in
+    full).  ``names``: the data file names, the very str objects that
+    ``storage_data``'s _StorageInfo hold, in the order of every rank's
+    files.  With ``middle`` given, ``metadata``'s fields but storage_meta
+    are not looked at.  None: the C encoder declined (the caller encodes
+    the usual way)."""
+    global _KINDS
+    if type(metadata) is not _md.Metadata or list(vars(metadata)) != _FIELDS:
+        return None
+    if _KINDS is None:
+        _KINDS = _c_kinds()
+    head = _md.Metadata.__new__(_md.Metadata)
+    state = vars(head)
+    state.update(vars(metadata))
+    tail = {"storage_meta": state.pop("storage_meta")}
+    if middle is not None:
+        body = _C.dump_metadata(head, _KINDS, _PROTOCOL, names=names, tail=tail, middle=middle)
+        if body is None:
+            return None
+    else:
+        out = _C.dump_metadata(head, _KINDS, _PROTOCOL, names=names, tail=tail)
+        if out is None:
+            return None
+        body, start, end = out
+        middle = body[start:end]
+        # The middle names a file only by memo index unless a string equal
+        # to a name is another object in it: a key, a planner_data part.
+        named = set(names)
+        if not named.isdisjoint(metadata.state_dict_metadata) or any(
+                p in named for path in (metadata.planner_data or {}).values()
+                if type(path) is tuple for p in path if type(p) is str):
+            middle = None
+    return body + _TRAILER.pack(_TRAILER_MAGIC, _C.crc32(body), len(body)), middle
+
+
 def _python_body(metadata: Any) -> bytes:
     out = io.BytesIO()
     _Pickler(out, protocol=_PROTOCOL).dump(metadata)

@@ -152,7 +152,11 @@ def remove_unreferenced(self: Committing, metadata: Metadata,
                 return  # another commit won (only without working locks)
         except FileNotFoundError:
             return
-    keep = {si.relative_path for si in metadata.storage_data.values()}
+    # A steady-state save's Metadata (dcpx.coordination.dist) names its data
+    # files itself, without being decoded.
+    keep = getattr(metadata, "_dcpx_files", None)
+    if keep is None:
+        keep = {si.relative_path for si in metadata.storage_data.values()}
     own = f"__{self.rank}_" if (self.rank is not None and not self.use_collectives) else "__"
     mine = self._save_lock.tag if self._save_lock is not None else None
     dead: dict[str, bool] = {}
