@@ -39,7 +39,10 @@
 # PROCESS (test_async), 2-rank gloo saves and loads of DTensors
 # (test_dist_sharded), and the CLI, whose conversions use torch's own zip
 # writer and planner helpers (test_cli, test_cli_commands,
-# test_tools_hostile), and big-endian records (test_byteorder).  DCPX_MATRIX_TESTS
+# test_tools_hostile), big-endian records (test_byteorder), steady-state
+# saves' all-reduces (test_steady_state) and the node-local tier's own gloo
+# groups, built on the default store with torch's internals where they
+# exist (test_tiers).  DCPX_MATRIX_TESTS
 # replaces the list (e.g. DCPX_MATRIX_TESTS=tests for the whole suite).
 #
 # Output: $DCPX_MATRIX_OUT (default benchmarks/results/torch_matrix.md), a
@@ -60,7 +63,8 @@ export UV_LINK_MODE=${UV_LINK_MODE:-hardlink}
 SUBSET="tests/test_torch_names.py tests/test_torch_versions.py tests/test_interop.py
 tests/test_roundtrip.py tests/test_mdpickle.py tests/test_plan.py tests/test_storage_api.py
 tests/test_monkeypatch.py tests/test_async.py tests/test_dist_sharded.py tests/test_cli.py
-tests/test_cli_commands.py tests/test_tools_hostile.py tests/test_byteorder.py"
+tests/test_cli_commands.py tests/test_tools_hostile.py tests/test_byteorder.py
+tests/test_steady_state.py tests/test_tiers.py"
 TESTS=${DCPX_MATRIX_TESTS:-$SUBSET}
 
 # The newest patch release of each minor version (PyPI, 2026-11).
