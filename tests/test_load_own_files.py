@@ -42,7 +42,7 @@ def many(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tdcp.save(sd, storage_writer=tdcp.FileSystemWriter(
-            path, thread_count=NFILES + 1, single_file_per_rank=False), no_dist=True)
+            path, thread_count=NFILES + 1, single_file_per_rank=False))  # no group: one process
     files = [f for f in os.listdir(path) if f.endswith(".distcp")]
     assert len(files) == NFILES + 1
     return path, sd

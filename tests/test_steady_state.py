@@ -25,7 +25,10 @@ def _rank_swap(rank: int, world: int, store_dir: str) -> list:
     the DTensor chunk of the same (shape, mesh, placements) must move."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor
+    except ImportError:  # torch 2.4: the private module only
+        from torch.distributed._tensor import Shard, distribute_tensor
 
     from dcpx.coordination.plan import local_chunk
     out = []
@@ -40,6 +43,9 @@ def _rank_swap(rank: int, world: int, store_dir: str) -> list:
     return out
 
 
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 5),
+                    reason="torch 2.4 hangs joining a second process group in one process "
+                           "after destroy_process_group (a rank waits in init_process_group)")
 def test_shard_cache_follows_the_rank():
     with tempfile.TemporaryDirectory() as d:
         results = spawn(_rank_swap, 2, d, init_pg=False)
