@@ -23,12 +23,16 @@ Each library's OWN coordinator code runs on the messages R ranks would send:
 
 * dcpx: rank r's plan message is made by dcpx/coordination/dist.py's ``_changed_message`` (first
   save) from the signature ``dcpx.coordination.plan.scan`` gives a DTensor / tensor, and by the
-  unchanged-plan branch of ``_local_message`` (repeated save: the digest and token);
-  rank 0 runs ``disagreeing_paths`` + ``_coordinate`` on the R messages, the ranks take
+  unchanged-plan branch of ``_local_message`` (repeated save, steady-state saves off:
+  the digest and token); rank 0 runs ``disagreeing_paths`` + ``_coordinate`` on the R messages, the ranks take
   their replies as ``_save`` does, report the file layout their C writer would lay out
   (one file per rank, 64-byte aligned records of the measured record overhead), and
   rank 0 runs ``_commit`` (metadata built, encoded, written, directory cleaned) in a
-  real directory that holds the R data files (sparse).  ``DcpxProtocol`` below holds
+  real directory that holds the R data files (sparse).  The steady-state save
+  (``_dist._save_steady``) after them: ``_steady_for``'s key at rank 0 and rank k,
+  the tag broadcast, their layouts checked, ``_commit_steady`` from the kept encoded
+  middle, the outcome broadcast; its two 16-byte all-reduces (and the one every
+  save opens with) are counted as tensor collectives.  ``DcpxProtocol`` below holds
   these steps: re-point it when the protocol changes.
 * torch: rank r's ``SavePlan`` is made by torch's ``DefaultSavePlanner.set_up_planner``
   / ``create_local_plan`` (with ``enable_plan_caching=True``; its first save is the
@@ -1228,10 +1232,9 @@ def fresh_caches() -> None:
 
     from dcpx.coordination import dist as _dist
     _dist.clear_exchange_cache()
-    # The repeated save simulated here is the exchange by digest; a real
-    # save of an unchanged plan would take the steady-state path (issue 28
-    # item 2), which DcpxProtocol does not model yet: the real runs take
-    # the path the simulation models.
+    # The "repeat" save simulated here is the exchange by digest, with
+    # steady-state saves off, as the real runs' "dcpx" saves take it;
+    # dcpx_save(steady=True) and the real runs' "dcpx_steady" turn them on.
     _dist.steady_state_enabled = False
     for name in dir(SavePlanner):
         if name.startswith("_cached") and isinstance(getattr(SavePlanner, name), dict):
