@@ -23,12 +23,16 @@ Each library's OWN coordinator code runs on the messages R ranks would send:
 
 * dcpx: rank r's plan message is made by dcpx/coordination/dist.py's ``_changed_message`` (first
   save) from the signature ``dcpx.coordination.plan.scan`` gives a DTensor / tensor, and by the
-  unchanged-plan branch of ``_local_message`` (repeated save: the digest and token);
-  rank 0 runs ``disagreeing_paths`` + ``_coordinate`` on the R messages, the ranks take
+  unchanged-plan branch of ``_local_message`` (repeated save, steady-state saves off:
+  the digest and token); rank 0 runs ``disagreeing_paths`` + ``_coordinate`` on the R messages, the ranks take
   their replies as ``_save`` does, report the file layout their C writer would lay out
   (one file per rank, 64-byte aligned records of the measured record overhead), and
   rank 0 runs ``_commit`` (metadata built, encoded, written, directory cleaned) in a
-  real directory that holds the R data files (sparse).  ``DcpxProtocol`` below holds
+  real directory that holds the R data files (sparse).  The steady-state save
+  (``_dist._save_steady``) after them: ``_steady_for``'s key at rank 0 and rank k,
+  the tag broadcast, their layouts checked, ``_commit_steady`` from the kept encoded
+  middle, the outcome broadcast; its two 16-byte all-reduces (and the one every
+  save opens with) are counted as tensor collectives.  ``DcpxProtocol`` below holds
   these steps: re-point it when the protocol changes.
 * torch: rank r's ``SavePlan`` is made by torch's ``DefaultSavePlanner.set_up_planner``
   / ``create_local_plan`` (with ``enable_plan_caching=True``; its first save is the
@@ -292,7 +296,8 @@ class Wire:
 
     def add(self, name: str, kind: str, sizes: list) -> None:
         """``sizes``: per rank, the pickled message it sends (gather, all_gather) or
-        receives (scatter); one size for a broadcast."""
+        receives (scatter); one size for a broadcast; the tensor's bytes for an
+        all_reduce (a tensor collective: nothing pickled, no sizes exchanged)."""
         self.colls.append({"name": name, "kind": kind, "sizes": list(sizes)})
 
     def summary(self, other: int) -> list:
@@ -306,7 +311,7 @@ class Wire:
             s, kind = c["sizes"], c["kind"]
             big = max(s)
             # what rank 0 pickles in it (its own message; every reply of a scatter)
-            mine = sum(s) if kind == "scatter" else s[0]
+            mine = sum(s) if kind == "scatter" else 0 if kind == "all_reduce" else s[0]
             row = {"name": c["name"], "kind": kind, "max_msg": big, "rank0_pickled": mine}
             if kind == "gather":
                 row.update(
@@ -329,6 +334,14 @@ class Wire:
                     other_out=s[other],
                     rank0_in_wire=(R - 1) * (big + 8), rank0_out_wire=big + 8,
                     other_in_wire=(R - 1) * (big + 8), other_out_wire=big + 8)
+            elif kind == "all_reduce":
+                # gloo's ring: each rank sends and receives 2 (R-1)/R of the
+                # buffer (at most twice its size)
+                n = s[0]
+                ring = 2 * n * (R - 1) // R
+                row.update(rank0_in=n, rank0_out=n, other_in=n, other_out=n,
+                           rank0_in_wire=ring, rank0_out_wire=ring,
+                           other_in_wire=ring, other_out_wire=ring)
             out.append(row)
         return out
 
@@ -551,24 +564,103 @@ class DcpxProtocol:
         return _dist._coordinate(writer, gathered)
 
     @staticmethod
-    def commit(writer: Any, plan: Any, gathered: list) -> tuple:
-        """Rank 0's commit: (outcome broadcast to every rank, Metadata)."""
+    def commit(writer: Any, plan: Any, gathered: list, cell: Optional[list] = None) -> tuple:
+        """Rank 0's commit: (outcome broadcast to every rank, Metadata);
+        ``cell[0]`` gets the encoded middle a steady-state save reuses."""
         from dcpx.coordination import dist as _dist
-        outcome, metadata = _dist._commit(writer, plan, gathered, None, cell=[None])
+        outcome, metadata = _dist._commit(writer, plan, gathered, None,
+                                          cell=[None] if cell is None else cell)
         if outcome[0] != "ok":
             raise RuntimeError(f"simulated commit: {outcome!r}")
         # the id of the save a steady-state save may repeat
         # (``_dist._gather_and_commit``; its pickle is of fixed size)
         return outcome + (_dist._SID_BASE,), metadata
 
+    @staticmethod
+    def remember_steady(writer: Any, sent: Any, r: int, size: int, path: str, prefix: str,
+                        layout_msg: tuple, outcome: tuple, plan: Any = None,
+                        files: Optional[tuple] = None, middle: Optional[bytes] = None) -> Any:
+        """Rank r's _Sent after a committed full exchange, holding its
+        ``_Steady`` as ``_dist._gather_and_commit`` makes it (rank 0: the global
+        plan, data files per rank and encoded middle; another rank: the
+        broadcast metadata)."""
+        from dcpx.coordination import dist as _dist
+        sid = outcome[2]
+        config = _dist._writer_config(writer)
+        _, names, layout = layout_msg
+        st = _dist._Steady(sid, _dist._steady_key(sid, path, config), path, config,
+                           len(names), layout, _dist._tag_of(prefix, r),
+                           None if r == 0 else outcome[1], plan if r == 0 else None,
+                           files if r == 0 else None, middle if r == 0 else None)
+        return sent._replace(steady=st)
+
+    @staticmethod
+    def steady_key(writer: Any, sent: Any, r: int, size: int, path: str) -> int:
+        """Rank r's contribution to the first all-reduce (``_dist._steady_for``;
+        0: this rank cannot repeat its last save)."""
+        from dcpx.coordination import dist as _dist
+        g = _SimGroup(r, size)
+        st = _dist._steady_for(sent, writer, path, g)
+        return 0 if st is None else st.key
+
+    @staticmethod
+    def steady_layout(writer: Any, sent: Any, r: int, tag: str) -> tuple:
+        """(layout message, same): what rank r's write reports in a
+        steady-state save and whether it is its last save's (``_save_steady``)."""
+        st = sent.steady
+        prefix = writer._prefix(r, tag)
+        msg = DcpxProtocol.layout_message(sent, prefix, sent.assign)
+        _, names, layout = msg
+        same = (len(names) == st.nfiles and layout == st.layout
+                and names == [f"{prefix}{i}.distcp" for i in range(st.nfiles)])
+        return msg, same
+
+    @staticmethod
+    def commit_steady(writer: Any, sent: Any, path: str, tag: str) -> tuple:
+        """Rank 0's commit of a steady-state save: (outcome, Metadata)."""
+        from dcpx.coordination import dist as _dist
+        st = _dist._steady_for(sent, writer, path, _SimGroup(0, len(sent.steady.files)))
+        outcome, metadata = _dist._commit_steady(writer, st, tag)
+        if outcome[0] != "ok":
+            raise RuntimeError(f"simulated steady commit: {outcome!r}")
+        return outcome, metadata
+
+    @staticmethod
+    def steady_metadata(sent: Any, directory: str, tag: str, outcome: tuple) -> Any:
+        """Another rank's Metadata of a steady-state save (decoded on use)."""
+        from dcpx.coordination import dist as _dist
+        st = sent.steady
+        return _dist._LazyMetadata(st.base, os.path.join(directory, ".metadata"),
+                                   retag=(st.tag, tag, outcome[1]))
+
+
+class _SimGroup:
+    """What ``_dist._steady_for`` asks of a group."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size, self.is_coordinator = rank, size, rank == 0
+
 
 def dcpx_save(model: Model, directory: str, state: dict, profile: Any = None,
-              repeat: bool = False) -> dict:
+              repeat: bool = False, steady: bool = False) -> dict:
     """One dcpx save of ``model`` over R simulated ranks into ``directory``.
     ``state`` carries each rank's _Sent from one save to the next.  The cyclic
-    collector is paused throughout, as dcpx's ``save`` pauses it on every rank."""
-    from dcpx.coordination import gcpause as _gc
+    collector is paused throughout, as dcpx's ``save`` pauses it on every rank.
+
+    The first save is the full exchange with every plan sent whole;
+    ``repeat``: the full exchange with each plan by digest (what an unchanged
+    plan costs with steady-state saves off, or when a rank's files or layout
+    differ from its last save's); ``steady``: the steady-state save
+    (``_dist._save_steady``), which needs a full exchange before it."""
+    from dcpx.coordination import dist as _dist, gcpause as _gc
     with _gc.paused_gc():
+        if steady:
+            was = _dist.steady_state_enabled
+            _dist.steady_state_enabled = True  # fresh_caches turns it off
+            try:
+                return _dcpx_steady(model, directory, state, profile)
+            finally:
+                _dist.steady_state_enabled = was
         return _dcpx_save(model, directory, state, profile, repeat)
 
 
@@ -583,6 +675,9 @@ def _dcpx_save(model: Model, directory: str, state: dict, profile: Any, repeat: 
     ph, rank_ph = Phases(), {0: Phases(), other: Phases()}
     wire = Wire(R)
     sents = state.setdefault("sent", {})
+    # 0. the steady-state check (``_dist._agree``): one all-reduce of 16 bytes;
+    # the first save, and a repeated one with steady-state saves off, give 0
+    wire.add("agree", "all_reduce", [16] * R)
     # 1. every rank's plan message (rank side: timed at rank 0 and ``other``);
     # ranks that hold the same chunks send equal bytes, made once here
     wires1: list = [None] * R
@@ -617,6 +712,8 @@ def _dcpx_save(model: Model, directory: str, state: dict, profile: Any, repeat: 
     # 3. every rank takes its reply, writes, reports its layout
     wires3: list = [None] * R
     files: dict = {}
+    sizes = state["file_sizes"] = [0] * R
+    own: dict = {}
     for r in range(R):
         with rank_ph[r]("reply_decode") if r in rank_ph else contextlib.nullcontext():
             reply = _loads(wires2[r])
@@ -624,30 +721,99 @@ def _dcpx_save(model: Model, directory: str, state: dict, profile: Any, repeat: 
             prefix, mine, sents[r] = proto.take_reply(sents[r], reply)
             msg = proto.layout_message(sents[r], prefix, mine)
             wires3[r] = _dumps(msg)
+        if r in rank_ph:
+            own[r] = (prefix, msg)
         if msg[2]:
             last = msg[2][-1]
-            files[msg[1][0]] = last[2] + last[3]
+            files[msg[1][0]] = sizes[r] = last[2] + last[3]
     wires2 = None
     wire.add("layout", "gather", [len(w) for w in wires3])
     make_data_files(directory, files)  # written before the commit, as in a real save
     with prof:
         with ph("g2_decode"):
             gathered = [_loads(w) for w in wires3]
+        cell: list = [None]
         with ph("commit"):
-            outcome, _ = proto.commit(writer, plan, gathered)
+            outcome, _ = proto.commit(writer, plan, gathered, cell)
         with ph("b_encode"):
             wire4 = _dumps(outcome)
-    del gathered, plan
+    nfiles = tuple(len(m[1]) for m in gathered)
+    del gathered
     wires3 = None
     wire.add("outcome", "broadcast", [len(wire4)])
     with rank_ph[other]("b_decode"):
-        _loads(wire4)
+        outcome_k = _loads(wire4)
+    # what rank 0 and rank k keep for a steady-state save after this one
+    for r, oc in ((0, outcome), (other, outcome_k)):
+        sents[r] = proto.remember_steady(writer, sents[r], r, R, path, own[r][0], own[r][1],
+                                         oc, plan, nfiles, cell[0])
+    del plan
     writer._release_tag()
     return {"rank0": ph.as_dict(), "rank0_local": rank_ph[0].as_dict(),
             "other_local": rank_ph[other].as_dict(), "other": other,
             "collectives": wire.summary(other),
             "metadata_bytes": os.path.getsize(os.path.join(directory, ".metadata")),
             "data_files": len(files)}
+
+
+def _dcpx_steady(model: Model, directory: str, state: dict, profile: Any) -> dict:
+    """A steady-state save (``_dist._save_steady``) after a full exchange:
+    an all-reduce of 16 bytes (every rank's key), rank 0's tag broadcast,
+    each rank's write and check of its layout, an all-reduce that all are
+    the last save's, rank 0's commit from the encoded middle, the outcome
+    broadcast.  Rank 0 and rank k run their real steps; every rank's
+    contribution to each all-reduce is the same (checked at 0 and k)."""
+    from dcpx.storage.writer import FileSystemWriter
+    R = model.ranks
+    other = _other_rank(R)
+    proto = state["proto"]
+    sents = state["sent"]
+    writer = FileSystemWriter(directory, sync_files=False)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    path = os.path.normpath(directory)
+    ph, rank_ph = Phases(), {0: Phases(), other: Phases()}
+    wire = Wire(R)
+    keys = {}
+    for r in (0, other):
+        with rank_ph[r]("local"):
+            keys[r] = proto.steady_key(writer, sents[r], r, R, path)
+    if not keys[0] or keys[0] != keys[other]:
+        raise RuntimeError(f"simulated steady save: the ranks' keys differ: {keys!r}")
+    wire.add("agree", "all_reduce", [16] * R)
+    prof = profile if profile is not None else contextlib.nullcontext()
+    with prof:
+        with ph("commit"):
+            tag = writer._tag()
+        with ph("b_encode"):
+            wire1 = _dumps(("ok", tag))
+    wire.add("tag", "broadcast", [len(wire1)])
+    with rank_ph[other]("b_decode"):
+        got = _loads(wire1)
+    if got[1] != tag:
+        raise RuntimeError("simulated steady save: tag")
+    for r in (0, other):
+        with rank_ph[r]("layout"):
+            _, same = proto.steady_layout(writer, sents[r], r, tag)
+        if not same:
+            raise RuntimeError(f"simulated steady save: rank {r}'s layout differs")
+    wire.add("same", "all_reduce", [16] * R)
+    make_data_files(directory, {f"{writer._prefix(r, tag)}0.distcp": n
+                                for r, n in enumerate(state["file_sizes"]) if n})
+    with prof:
+        with ph("commit"):
+            outcome, _ = proto.commit_steady(writer, sents[0], path, tag)
+        with ph("b_encode"):
+            wire2 = _dumps(outcome)
+    wire.add("outcome", "broadcast", [len(wire2)])
+    with rank_ph[other]("b_decode"):
+        oc = _loads(wire2)
+        proto.steady_metadata(sents[other], directory, tag, oc)
+    writer._release_tag()
+    return {"rank0": ph.as_dict(), "rank0_local": rank_ph[0].as_dict(),
+            "other_local": rank_ph[other].as_dict(), "other": other,
+            "collectives": wire.summary(other),
+            "metadata_bytes": os.path.getsize(os.path.join(directory, ".metadata")),
+            "data_files": sum(1 for n in state["file_sizes"] if n)}
 
 
 # ---------------------------------------------------------------- torch's protocol
@@ -956,8 +1122,9 @@ def torch_load_coordinator(R: int, sample: bytes) -> dict:
 
 def run_row(lib: str, kind: str, R: int, T: int, group: int, dims: str, workdir: str,
             profile: bool = False, load: bool = True) -> dict:
-    """Both saves (first, repeated) and the loads of one library for one row, in
-    this process (run it in a fresh one: caches, memory high-water mark)."""
+    """The saves (first, repeated; dcpx: also steady-state) and the loads of one
+    library for one row, in this process (run it in a fresh one: caches, memory
+    high-water mark)."""
     model = make_model(kind, R, T, group, dims)
     fresh_caches()
     base_rss = _rss_mib()
@@ -966,14 +1133,19 @@ def run_row(lib: str, kind: str, R: int, T: int, group: int, dims: str, workdir:
                  "chunks_distinct": T * model.shard}
     state: dict = {}
     d1, d2 = os.path.join(workdir, "save1"), os.path.join(workdir, "save2")
+    d3 = os.path.join(workdir, "save3")
     prof = cProfile.Profile() if profile else None
     if lib == "dcpx":
         out["first"] = dcpx_save(model, d1, state, prof)
         prof2 = cProfile.Profile() if profile else None
         out["repeat"] = dcpx_save(model, d2, state, prof2, repeat=True)
+        prof3 = cProfile.Profile() if profile else None
+        out["steady"] = dcpx_save(model, d3, state, prof3, steady=True)
+        shutil.rmtree(d3, ignore_errors=True)
         if profile:
             out["profile_first"] = _top(prof)
             out["profile_repeat"] = _top(prof2)
+            out["profile_steady"] = _top(prof3)
     else:
         out["first"] = torch_save(model, d1, state)
         out["repeat"] = torch_save(model, d2, state, repeat=True)
@@ -1060,10 +1232,9 @@ def fresh_caches() -> None:
 
     from dcpx.coordination import dist as _dist
     _dist.clear_exchange_cache()
-    # The repeated save simulated here is the exchange by digest; a real
-    # save of an unchanged plan would take the steady-state path (issue 28
-    # item 2), which DcpxProtocol does not model yet: the real runs take
-    # the path the simulation models.
+    # The "repeat" save simulated here is the exchange by digest, with
+    # steady-state saves off, as the real runs' "dcpx" saves take it;
+    # dcpx_save(steady=True) and the real runs' "dcpx_steady" turn them on.
     _dist.steady_state_enabled = False
     for name in dir(SavePlanner):
         if name.startswith("_cached") and isinstance(getattr(SavePlanner, name), dict):
@@ -1152,6 +1323,7 @@ class _Hooks:
             self._patch(_dist, "_coordinate", timed("plan"))
             self._patch(_dist, "disagreeing_paths", timed("plan"))
             self._patch(_dist, "_commit", timed("commit"))
+            self._patch(_dist, "_commit_steady", timed("commit"))
         else:
             from torch.distributed.checkpoint import default_planner, filesystem, utils
             seq = {"gather_object": ["gather1", "gather2"], "scatter_object": ["scatter1"],
@@ -1211,7 +1383,7 @@ def _real_rank(rank: int, ws: int, port: int, spec: dict, root: str, out: str) -
         sd = _real_state_dict(model, rank, mesh)
         res: dict = {}
         for lib in spec["libs"]:
-            hooks = _Hooks(lib)
+            hooks = _Hooks("dcpx" if lib == "dcpx_steady" else lib)
             hooks.install()
             try:
                 res[lib] = _real_saves(lib, sd, hooks, root, rank, spec["saves"])
@@ -1226,16 +1398,24 @@ def _real_rank(rank: int, ws: int, port: int, spec: dict, root: str, out: str) -
 def _real_saves(lib: str, sd: dict, hooks: _Hooks, root: str, rank: int, saves: int) -> dict:
     """``saves`` saves of ``sd`` by ``lib`` into ``root/save1``, ``save2``, ... (the
     simulation's directory names: messages that carry the path are of the same
-    size), removed afterwards."""
+    size), removed afterwards.  ``dcpx``: steady-state saves off (the repeated
+    saves take the exchange by digest); ``dcpx_steady``: on, from a fresh
+    exchange cache (the repeated saves take the steady-state path; each save
+    records whether it did, from ``dist.STEADY_SAVES``)."""
     import torch.distributed as dist
     import warnings
+    from dcpx.coordination import dist as _dist
     out: dict = {"saves": []}
+    if lib == "dcpx_steady":
+        _dist.clear_exchange_cache()
+    _dist.steady_state_enabled = lib == "dcpx_steady"
     for it in range(saves):
         path = os.path.join(root, f"save{it + 1}")
         hooks.reset()
         dist.barrier()
         c0, t0 = time.process_time(), time.perf_counter()
-        if lib == "dcpx":
+        steady0 = _dist.STEADY_SAVES[0]
+        if lib.startswith("dcpx"):
             import dcpx
             dcpx.save(sd, storage_writer=dcpx.FileSystemWriter(path, sync_files=False))
         else:
@@ -1247,8 +1427,10 @@ def _real_saves(lib: str, sd: dict, hooks: _Hooks, root: str, rank: int, saves: 
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
         out["saves"].append({"phases": hooks.ph.as_dict(), "sizes": hooks.sizes,
                              "total": total, "cpu": cpu,
+                             "steady": _dist.STEADY_SAVES[0] - steady0,
                              "metadata_bytes": os.path.getsize(os.path.join(path, ".metadata"))
                              if rank == 0 else None})
+    _dist.steady_state_enabled = False
     dist.barrier()
     if rank == 0:
         for it in range(saves):
@@ -1293,7 +1475,9 @@ def net_seconds(colls: list, R: int, bw: float, lat: float, tree: bool) -> float
     gather / scatter still moves every byte through rank 0; a pipelined
     broadcast, 2 x bytes / bandwidth).  Each object collective first exchanges
     8-byte sizes: an all_gather (gather_object) or a broadcast
-    (scatter_object_list, broadcast_object_list)."""
+    (scatter_object_list, broadcast_object_list).  An all_reduce (dcpx's
+    16-byte steady-state checks): gloo's ring, 2 (R-1) latencies; tree: 2
+    log2 R."""
     steps = max(1, math.ceil(math.log2(max(R, 2))))
 
     def allgather(nbytes_in: float) -> float:
@@ -1315,6 +1499,9 @@ def net_seconds(colls: list, R: int, bw: float, lat: float, tree: bool) -> float
             t += bcast(8) + bcast(c["other_in_wire"])
         elif kind == "all_gather":
             t += allgather(8 * (R - 1)) + allgather(c["rank0_in_wire"])
+        elif kind == "all_reduce":
+            # gloo: a ring, 2 (R-1) steps; tree: reduce then broadcast, 2 log2 R
+            t += (2 * steps if tree else 2 * (R - 1)) * lat + c["rank0_in_wire"] / bw
     return t
 
 
@@ -1422,11 +1609,15 @@ def markdown(report: dict) -> str:
     for r in rows:
         by.setdefault((r.get("series"), r["kind"], r["ranks"], r.get("tensors")), {})[r["lib"]] = r
     L += ["## Rank 0's work per save", "",
+          "dcpx, same plan by digest: the full exchange with each unchanged plan sent as its "
+          "digest (steady-state saves off, or a rank whose files or layout differ); dcpx "
+          "steady: the steady-state save of an unchanged plan (the default).", "",
           "| series | shape | ranks | T (asked -> run) | chunks | torch first | torch, plan "
-          "caching | dcpx first | dcpx, same plan | torch / dcpx first | torch cached / dcpx "
-          "same | `.metadata` torch / dcpx | peak RSS torch / dcpx |",
+          "caching | dcpx first | dcpx, same plan by digest | dcpx steady | torch / dcpx first "
+          "| torch cached / dcpx digest | torch cached / dcpx steady | `.metadata` torch / dcpx "
+          "| peak RSS torch / dcpx |",
           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-          "| ---: |"]
+          "| ---: | ---: | ---: |"]
     for (series, kind, R, T), libs in by.items():
         d, t = libs.get("dcpx"), libs.get("torch")
         asked = (d or t)["tensors_asked"]
@@ -1438,10 +1629,12 @@ def markdown(report: dict) -> str:
                 return "-"
             if "error" in x:
                 return "error"
+            if k not in x:
+                return "-"
             return _fmt_s(x[k]["rank0"]["cpu_total"])
 
         def ratio(k1, k2):
-            if not d or not t or "error" in d or "error" in t:
+            if not d or not t or "error" in d or "error" in t or k2 not in d:
                 return "-"
             return f"{t[k1]['rank0']['cpu_total'] / max(d[k2]['rank0']['cpu_total'], 1e-9):.1f}x"
         md_t = _fmt_b(t["first"]["metadata_bytes"]) if t and "error" not in t else "-"
@@ -1452,7 +1645,8 @@ def markdown(report: dict) -> str:
                  and d.get("peak_rss_mib") is not None else "-")
         L.append(f"| {series} | {kind} | {R:,} | {tcol} | {chunks:,} | {cell(t, 'first')} | "
                  f"{cell(t, 'repeat')} | {cell(d, 'first')} | {cell(d, 'repeat')} | "
-                 f"{ratio('first', 'first')} | {ratio('repeat', 'repeat')} | {md_t} / {md_d} | "
+                 f"{cell(d, 'steady')} | {ratio('first', 'first')} | {ratio('repeat', 'repeat')} "
+                 f"| {ratio('repeat', 'steady')} | {md_t} / {md_d} | "
                  f"{rss_t} / {rss_d} |")
     L += ["", "Errors:" if any("error" in r for r in rows) else ""]
     for r in rows:
@@ -1469,7 +1663,7 @@ def markdown(report: dict) -> str:
             x = libs.get(lib)
             if not x or "error" in x:
                 continue
-            for k in ("first", "repeat"):
+            for k in [k for k in ("first", "repeat", "steady") if k in x]:
                 c = x[k]["rank0"]["cpu"]
                 L.append(f"| {kind} | {R:,} | {T} | {lib} | {k} | " + " | ".join(
                     _fmt_s(c.get(p, 0.0)) for p in ("g1_decode", "plan", "s1_encode",
@@ -1485,7 +1679,7 @@ def markdown(report: dict) -> str:
             x = libs.get(lib)
             if not x or "error" in x:
                 continue
-            for k in ("first", "repeat"):
+            for k in [k for k in ("first", "repeat", "steady") if k in x]:
                 a, b = x[k]["rank0_local"]["cpu"], x[k]["other_local"]["cpu"]
                 L.append(f"| {kind} | {R:,} | {T} | {lib} | {k} | " + " | ".join(
                     f"{_fmt_s(a.get(p, 0.0))} / {_fmt_s(b.get(p, 0.0))}"
@@ -1502,7 +1696,7 @@ def markdown(report: dict) -> str:
             x = libs.get(lib)
             if not x or "error" in x:
                 continue
-            for k in ("first", "repeat"):
+            for k in [k for k in ("first", "repeat", "steady") if k in x]:
                 for c in x[k]["collectives"]:
                     L.append(f"| {kind} | {R:,} | {T} | {lib} | {k} | {c['kind']} {c['name']} | "
                              f"{_fmt_b(c['rank0_in'])} | {_fmt_b(c['rank0_out'])} | "
@@ -1533,18 +1727,18 @@ def markdown(report: dict) -> str:
         L += ["", "## Seconds per save under the network model (coordination only; data "
               "writing excluded)", "", report["network"]["text"], ""]
         L += ["| shape | ranks | T | network | collectives | torch first | torch, plan caching "
-              "| dcpx first | dcpx, same plan |",
-              "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
+              "| dcpx first | dcpx, same plan by digest | dcpx steady |",
+              "| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         for row in report["network"]["rows"]:
             L.append(f"| {row['kind']} | {row['ranks']:,} | {row['tensors']} | {row['net']} | "
                      f"{row['topology']} | {_fmt_s(row.get('torch_first'))} | "
                      f"{_fmt_s(row.get('torch_repeat'))} | {_fmt_s(row.get('dcpx_first'))} | "
-                     f"{_fmt_s(row.get('dcpx_repeat'))} |")
+                     f"{_fmt_s(row.get('dcpx_repeat'))} | {_fmt_s(row.get('dcpx_steady'))} |")
     prof = [r for r in rows if r.get("profile_first")]
     if prof:
         L += ["", "## cProfile of dcpx's rank-0 phases (top functions by own time)", ""]
         for r in prof:
-            for k in ("first", "repeat"):
+            for k in [k for k in ("first", "repeat", "steady") if f"profile_{k}" in r]:
                 L += [f"### {r['kind']} R={r['ranks']:,} T={r['tensors']}: {k} save", "",
                       "```", r[f"profile_{k}"], "```", ""]
     return "\n".join(L) + "\n"
@@ -1565,8 +1759,9 @@ def network_table(rows: list, args) -> dict:
                 row = {"series": series, "kind": kind, "ranks": R, "tensors": T, "net": net,
                        "topology": "tree" if tree else "gloo"}
                 for lib, x in libs.items():
-                    for k in ("first", "repeat"):
-                        row[f"{lib}_{k}"] = save_seconds(x[k], R, bw, lat, tree)
+                    for k in ("first", "repeat", "steady"):
+                        if k in x:
+                            row[f"{lib}_{k}"] = save_seconds(x[k], R, bw, lat, tree)
                 out.append(row)
     text = (f"IB: {args.bw_gbs} GB/s into / out of rank 0, {args.lat_us} us a message (a 200 "
             f"Gb/s NIC per node; 5-20 us a small message through a software stack); TCP (gloo "
@@ -1576,7 +1771,9 @@ def network_table(rows: list, args) -> dict:
             f"a binomial tree, ceil(log2 R) steps that each move the whole message).  tree: "
             f"log-depth collectives (ceil(log2 R) latencies; rank 0 still moves every byte of "
             f"a gather or scatter; a pipelined broadcast, 2 x bytes / bandwidth).  Each object "
-            f"collective first exchanges 8-byte sizes (an all_gather or a broadcast).  Seconds = "
+            f"collective first exchanges 8-byte sizes (an all_gather or a broadcast).  An "
+            f"all_reduce (dcpx's 16-byte steady-state checks, one in every save, two in a "
+            f"steady-state save): gloo's ring, 2 (R-1) latencies; tree: 2 log2 R.  Seconds = "
             f"the slower of rank 0's and rank k's local plan + rank 0's CPU phases (this "
             f"machine) + the network + rank k's decode of the broadcast (torch's ranks unpickle "
             f"the whole Metadata; dcpx's take bytes); writing data excluded.")
@@ -1676,7 +1873,9 @@ def main() -> None:
                 else:
                     print(f"{lib:5s} {row['kind']:5s} R={row['ranks']:6d} T={row['tensors']:5d} "
                           f"first {res['first']['rank0']['cpu_total']:8.3f} s  repeat "
-                          f"{res['repeat']['rank0']['cpu_total']:8.3f} s  .metadata "
+                          f"{res['repeat']['rank0']['cpu_total']:8.3f} s  "
+                          + (f"steady {res['steady']['rank0']['cpu_total']:8.4f} s  "
+                             if "steady" in res else "") + ".metadata "
                           f"{res['first']['metadata_bytes'] / 1e6:7.2f} MB  "
                           f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         report["rows"] = rows
@@ -1701,13 +1900,15 @@ def real_check(args) -> list:
     """Per (W, shape): the real run's rank-0 phases (median over saves 2..N for
     the repeated save, the first save as is) beside the simulation's."""
     libs = args.libs.split(",")
+    # dcpx twice: steady-state saves off (the repeated saves by digest), then on
+    real_libs = libs + (["dcpx_steady"] if "dcpx" in libs else [])
     out = []
     for kind in args.real_kinds.split(","):
         for W in [int(x) for x in args.real_ranks.split(",")]:
             if kind == "hsdp" and W % args.real_group:
                 continue
             t0 = time.perf_counter()
-            real = run_real(W, kind, args.real_tensors, args.real_group, "tiny", libs,
+            real = run_real(W, kind, args.real_tensors, args.real_group, "tiny", real_libs,
                             args.real_saves, args.row_timeout)
             wall = time.perf_counter() - t0
             entry = {"kind": kind, "ranks": W, "tensors": args.real_tensors,
@@ -1750,6 +1951,23 @@ def _real_bytes(saves: list, which: str) -> dict:
     return out
 
 
+def _sim_bytes(colls: list) -> dict:
+    """Rank 0's pickled bytes of a simulated save under the real run's names
+    (gather1, scatter1, gather2, bcast: both broadcasts of a steady-state save);
+    all-reduces pickle nothing."""
+    out: dict = {}
+    gathers = 0
+    for c in colls:
+        if c["kind"] == "gather":
+            gathers += 1
+            name = f"gather{gathers}"
+        else:
+            name = {"scatter": "scatter1", "broadcast": "bcast"}.get(c["kind"])
+        if name:
+            out[name] = out.get(name, 0) + c["rank0_pickled"]
+    return out
+
+
 def real_markdown(report: dict) -> str:
     L = ["# Real gloo runs vs the simulation (rank 0's CPU per phase)", "",
          f"- command: `{report['command']}`",
@@ -1760,22 +1978,27 @@ def real_markdown(report: dict) -> str:
          "- real: W gloo processes on this machine (tiny tensors, the plan shapes of the "
          "simulation), rank 0's phases timed by wrapping the same functions the simulation "
          "calls; first = the first save of the process (dcpx: full plan exchange; torch: "
-         "plan caching's first save), repeated = median of saves 2..N (dcpx: plan by digest; "
-         "torch: cached plans).  sim: the same W, T, shape and dims through bench_scale's "
-         "simulation in a fresh process.  ratio = real / sim.", "",
+         "plan caching's first save), repeated = median of saves 2..N (dcpx: steady-state "
+         "saves off, the plan by digest; dcpx_steady: steady-state saves on, the steady-state "
+         "path, compared with the simulation's steady save; torch: cached plans).  sim: the "
+         "same W, T, shape and dims through bench_scale's simulation in a fresh process.  "
+         "ratio = real / sim.  steady: of the repeated saves, how many took the steady-state "
+         "path on rank 0 / rank k (``dist.STEADY_SAVES``).", "",
          "| shape | W | T | lib | save | " + " | ".join(PHASES) + " | total | of which cyclic "
-         "GC | bytes rank 0 pickled per collective (gather 1, scatter, gather 2, broadcast), "
-         "real / sim |",
+         "GC | bytes rank 0 pickled per collective (gather 1, scatter, gather 2, broadcasts), "
+         "real / sim | steady |",
          "| --- | ---: | ---: | --- | --- | " + " | ".join("---:" for _ in PHASES)
-         + " | ---: | ---: | --- |"]
+         + " | ---: | ---: | --- | ---: |"]
     ratios: dict = {}
     for e in report["real"]:
-        for lib, sim in e["sim"].items():
+        for lib in e["real"]:
+            sim = e["sim"]["dcpx" if lib == "dcpx_steady" else lib]
             if "error" in sim:
                 L.append(f"| {e['kind']} | {e['ranks']} | {e['tensors']} | {lib} | sim error: "
                          f"{sim['error'][-200:]} |")
                 continue
-            for which, key in (("first", "first"), ("repeat", "repeat")):
+            for which, key in (("first", "first"),
+                               ("repeat", "steady" if lib == "dcpx_steady" else "repeat")):
                 real = _real_phase(e["real"][lib]["saves"], which)
                 simc = sim[key]["rank0"]["cpu"]
                 cells = []
@@ -1787,15 +2010,21 @@ def real_markdown(report: dict) -> str:
                 rtot, stot = sum(real.get(p, 0.0) for p in PHASES), sim[key]["rank0"]["cpu_total"]
                 ratios.setdefault((lib, which, "total"), []).append(rtot / stot if stot else 0)
                 rb = _real_bytes(e["real"][lib]["saves"], which)
-                real_b = [sum(rb.get(k, [0])) for k in ("gather1", "scatter1", "gather2", "bcast")]
-                sim_b = [c["rank0_pickled"] for c in sim[key]["collectives"]]
+                names = ("gather1", "scatter1", "gather2", "bcast")
+                real_b = [sum(rb.get(k, [0])) for k in names]
+                sb = _sim_bytes(sim[key]["collectives"])
+                sim_b = [sb.get(k, 0) for k in names]
                 bytes_cell = ", ".join(f"{_fmt_b(a)} / {_fmt_b(b)}" for a, b in zip(real_b, sim_b))
+                steady = "-"
+                if lib.startswith("dcpx") and which == "repeat":
+                    steady = " / ".join(str(sum(x.get("steady", 0) for x in w[lib]["saves"][1:]))
+                                        for w in (e["real"], e["real_other"]))
                 rgc = _real_gc(e["real"][lib]["saves"], which)
                 sgc = sim[key]["rank0"].get("gc_total", 0.0)
                 L.append(f"| {e['kind']} | {e['ranks']} | {e['tensors']} | {lib} | {which} | "
                          + " | ".join(cells) + f" | {_fmt_s(rtot)} / {_fmt_s(stot)} "
                          f"({rtot / stot if stot else 0:.2f}x) | {_fmt_s(rgc)} / {_fmt_s(sgc)} | "
-                         f"{bytes_cell} |")
+                         f"{bytes_cell} | {steady} |")
     L += ["", "## Ratio real / sim, over the rank counts (min - max, median)", "",
           "| lib | save | phase | min | median | max |", "| --- | --- | --- | ---: | ---: | ---: |"]
     import statistics

@@ -1,13 +1,15 @@
 """benchmarks/bench_scale.py's simulation against the real protocols: a real
-2-rank gloo save (dcpx's, twice: full plan exchange, then plan by digest; and
-torch DCP's with plan caching, twice) records every message rank 0 and rank 1
-send and receive, and the simulation of the same model (same keys, shapes,
-dtypes, sharding, directory name lengths) must produce:
+2-rank gloo save (dcpx's, three times: full plan exchange, then plan by digest
+with steady-state saves off, then a steady-state save; and torch DCP's with
+plan caching, twice) records every message rank 0 and rank 1 send and
+receive, and every all-reduce, and the simulation of the same model (same
+keys, shapes, dtypes, sharding, directory name lengths) must produce:
 
 * dcpx: byte-identical plan blobs and digests, the same assignments and tokens,
   the same file layouts (offsets, lengths), messages of the same pickled sizes
-  in every collective, and a ``.metadata`` of the same size that decodes to the
-  same tensors and chunks;
+  in every collective, all-reduces of the same number and bytes, and a
+  ``.metadata`` of the same size that decodes to the same tensors and chunks
+  (the steady-state save's too: it was steady, ``dist.STEADY_SAVES``);
 * torch: equal SavePlans (WriteItems, planner data), the same global plans and
   write results, messages of the same pickled sizes, the same ``.metadata`` size;
 * at load, each rank's reads (chunks found) and its lstat count as dcpx's real
@@ -46,9 +48,15 @@ def _model(kind: str):
 def _recording(log: list):
     """Every object the ranks pass through torch's object collectives (rank
     side: what this rank pickles; and what it unpickles), in order, with the
-    collective it belongs to."""
+    collective it belongs to; and the bytes of every all-reduce."""
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
     to_tensor, to_object = c10d._object_to_tensor, c10d._tensor_to_object
+    all_reduce = dist.all_reduce
+
+    def rec_all_reduce(t, *a, **kw):
+        log.append(("reduce", None, t.numel() * t.element_size()))
+        return all_reduce(t, *a, **kw)
 
     def rec_to_tensor(obj, *a, **kw):
         out = to_tensor(obj, *a, **kw)
@@ -60,16 +68,18 @@ def _recording(log: list):
         log.append(("got", obj, None))
         return obj
     c10d._object_to_tensor, c10d._tensor_to_object = rec_to_tensor, rec_to_object
+    dist.all_reduce = rec_all_reduce
     try:
         yield log
     finally:
         c10d._object_to_tensor, c10d._tensor_to_object = to_tensor, to_object
+        dist.all_reduce = all_reduce
 
 
 def real_saves(rank: int, world_size: int, root: str) -> dict:
-    """Per shape (FSDP2, DDP): what this rank's collectives carried in two dcpx
-    saves and two torch saves (plan caching) of the model, and its load's
-    reads and lstat calls."""
+    """Per shape (FSDP2, DDP): what this rank's collectives carried in three dcpx
+    saves (the third steady-state) and two torch saves (plan caching) of the
+    model, and its load's reads and lstat calls."""
     return {kind: _real_saves(rank, world_size, os.path.join(root, kind), kind)
             for kind in KINDS}
 
@@ -88,16 +98,25 @@ def _real_saves(rank: int, world_size: int, root: str, kind: str) -> dict:
     bs.fresh_caches()  # the first save of this shape is a first save
     out: dict = {}
     for lib in ("dcpx", "torch"):
-        for i in (1, 2):
+        for i in (1, 2, 3) if lib == "dcpx" else (1, 2):
             log: list = []
             path = os.path.join(root, f"real{lib[0]}{i}")
-            with _recording(log):
-                if lib == "dcpx":
-                    dcpx.save(sd, storage_writer=dcpx.FileSystemWriter(path, sync_files=False))
-                else:
-                    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=False),
-                             planner=bs.TorchProtocol.planner(True))
+            steady0 = _dist.STEADY_SAVES[0]
+            # the third dcpx save: steady-state saves on (fresh_caches turned
+            # them off, so that the second took the exchange by digest)
+            _dist.steady_state_enabled = i == 3
+            try:
+                with _recording(log):
+                    if lib == "dcpx":
+                        dcpx.save(sd, storage_writer=dcpx.FileSystemWriter(path,
+                                                                            sync_files=False))
+                    else:
+                        dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=False),
+                                 planner=bs.TorchProtocol.planner(True))
+            finally:
+                _dist.steady_state_enabled = False
             out[f"{lib}{i}"] = log
+            out[f"{lib}{i}_steady"] = _dist.STEADY_SAVES[0] - steady0
     # dcpx's load of the second checkpoint: the reads it plans, the lstat calls
     plans: list = []
     real_plan_reads = _dist.plan_reads
@@ -199,20 +218,37 @@ def test_dcpx_simulated_save_counts_the_real_bytes(real, tmp_path):
     sim = {}
     with _fresh_dcpx():
         state: dict = {}
-        for i in (1, 2):
+        for i in (1, 2, 3):
             d = os.path.join(root, f"simud{i}")
-            sim[i] = bs.dcpx_save(model, d, state, repeat=i == 2)
-    for i in (1, 2):
-        real_sizes = _sizes(logs[0][f"dcpx{i}"])   # gather 1, R replies, gather 2, broadcast
-        s = sim[i]["collectives"]
-        assert [c["kind"] for c in s] == ["gather", "scatter", "gather", "broadcast"]
-        assert real_sizes[0] == s[0]["rank0_pickled"]
-        assert sum(real_sizes[1:1 + WORLD]) == s[1]["rank0_pickled"]
-        assert real_sizes[1 + WORLD] == s[2]["rank0_pickled"]
-        assert real_sizes[2 + WORLD] == s[3]["rank0_pickled"]
-        # rank 1's own plan and layout messages
-        r1 = _sizes(logs[1][f"dcpx{i}"])
-        assert r1[0] == s[0]["other_out"] and r1[1] == s[2]["other_out"]
+            sim[i] = bs.dcpx_save(model, d, state, repeat=i == 2, steady=i == 3)
+    for i in (1, 2, 3):
+        for r in range(WORLD):
+            # every all-reduce (the steady-state checks), with its bytes
+            real_red = [n for kind, _, n in logs[r][f"dcpx{i}"] if kind == "reduce"]
+            assert real_red == [c["rank0_in"] for c in sim[i]["collectives"]
+                                if c["kind"] == "all_reduce"], f"rank {r}, save {i}"
+        assert [lg[f"dcpx{i}_steady"] for lg in logs] == [int(i == 3)] * WORLD, \
+            f"save {i}: steady-state saves on the ranks"
+        real_sizes = _sizes(logs[0][f"dcpx{i}"])
+        s = [c for c in sim[i]["collectives"] if c["kind"] != "all_reduce"]
+        if i == 3:
+            # the steady-state save: the tag and the outcome broadcast;
+            # rank 1 pickles nothing
+            assert [c["kind"] for c in s] == ["broadcast", "broadcast"]
+            assert real_sizes == [c["rank0_pickled"] for c in s]
+            assert _sizes(logs[1]["dcpx3"]) == []
+            assert [n for kind, _, n in logs[1]["dcpx3"] if kind == "got"] == [None, None]
+            assert sum(c["other_in"] for c in sim[3]["collectives"]) < 1000
+        else:
+            # gather 1, R replies, gather 2, broadcast
+            assert [c["kind"] for c in s] == ["gather", "scatter", "gather", "broadcast"]
+            assert real_sizes[0] == s[0]["rank0_pickled"]
+            assert sum(real_sizes[1:1 + WORLD]) == s[1]["rank0_pickled"]
+            assert real_sizes[1 + WORLD] == s[2]["rank0_pickled"]
+            assert real_sizes[2 + WORLD] == s[3]["rank0_pickled"]
+            # rank 1's own plan and layout messages
+            r1 = _sizes(logs[1][f"dcpx{i}"])
+            assert r1[0] == s[0]["other_out"] and r1[1] == s[2]["other_out"]
         real_md = open(os.path.join(root, f"reald{i}", ".metadata"), "rb").read()
         sim_md = open(os.path.join(root, f"simud{i}", ".metadata"), "rb").read()
         assert len(real_md) == len(sim_md) == sim[i]["metadata_bytes"]
