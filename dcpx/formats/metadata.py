@@ -138,9 +138,10 @@ def dumps(metadata: _md.Metadata, splice: Optional[Splice] = None) -> bytes:
     return body + _TRAILER.pack(_TRAILER_MAGIC, _C.crc32(body), len(body))
 
 
-def _split_body(metadata: _md.Metadata, splice: Splice) -> bytes | None:
-    """The pickle in the split form, from the cached middle when the splice
-    has one; caches the middle otherwise.  None: the C encoder declined."""
+def _split_parts(metadata: _md.Metadata) -> tuple | None:
+    """(head, tail) of the split form: the Metadata less its storage_meta,
+    and that storage_meta; None when the C encoder would decline (another
+    class, other fields)."""
     global _KINDS
     if type(metadata) is not _md.Metadata or list(vars(metadata)) != _FIELDS:
         return None
@@ -149,7 +150,16 @@ def _split_body(metadata: _md.Metadata, splice: Splice) -> bytes | None:
     head = _md.Metadata.__new__(_md.Metadata)
     state = vars(head)
     state.update(vars(metadata))
-    tail = {"storage_meta": state.pop("storage_meta")}
+    return head, {"storage_meta": state.pop("storage_meta")}
+
+
+def _split_body(metadata: _md.Metadata, splice: Splice) -> bytes | None:
+    """The pickle in the split form, from the cached middle when the splice
+    has one; caches the middle otherwise.  None: the C encoder declined."""
+    parts = _split_parts(metadata)
+    if parts is None:
+        return None
+    head, tail = parts
     if splice.middle is not None:
         return _C.dump_metadata(head, _KINDS, _PROTOCOL, names=splice.names, tail=tail,
                                 middle=splice.middle)
@@ -177,15 +187,10 @@ def split_dumps(metadata: _md.Metadata, names: tuple,
     files.  With ``middle`` given, ``metadata``'s fields but storage_meta
     are not looked at.  None: the C encoder declined (the caller encodes
     the usual way)."""
-    global _KINDS
-    if type(metadata) is not _md.Metadata or list(vars(metadata)) != _FIELDS:
+    parts = _split_parts(metadata)
+    if parts is None:
         return None
-    if _KINDS is None:
-        _KINDS = _c_kinds()
-    head = _md.Metadata.__new__(_md.Metadata)
-    state = vars(head)
-    state.update(vars(metadata))
-    tail = {"storage_meta": state.pop("storage_meta")}
+    head, tail = parts
     if middle is not None:
         body = _C.dump_metadata(head, _KINDS, _PROTOCOL, names=names, tail=tail, middle=middle)
         if body is None:
