@@ -569,7 +569,7 @@ class DcpxProtocol:
         ``cell[0]`` gets the encoded middle a steady-state save reuses."""
         from dcpx.coordination import dist as _dist
         outcome, metadata = _dist._commit(writer, plan, gathered, None,
-                                          cell=[None] if cell is None else cell)
+                                          cell=[None, None] if cell is None else cell)
         if outcome[0] != "ok":
             raise RuntimeError(f"simulated commit: {outcome!r}")
         # the id of the save a steady-state save may repeat
@@ -579,11 +579,13 @@ class DcpxProtocol:
     @staticmethod
     def remember_steady(writer: Any, sent: Any, r: int, size: int, path: str, prefix: str,
                         layout_msg: tuple, outcome: tuple, plan: Any = None,
-                        files: Optional[tuple] = None, middle: Optional[bytes] = None) -> Any:
+                        files: Optional[tuple] = None, middle: Optional[bytes] = None,
+                        source: Any = None) -> Any:
         """Rank r's _Sent after a committed full exchange, holding its
         ``_Steady`` as ``_dist._gather_and_commit`` makes it (rank 0: the global
         plan, data files per rank and encoded middle; another rank: the
         broadcast metadata)."""
+        from dcpx import _C
         from dcpx.coordination import dist as _dist
         sid = outcome[2]
         config = _dist._writer_config(writer)
@@ -591,7 +593,9 @@ class DcpxProtocol:
         st = _dist._Steady(sid, _dist._steady_key(sid, path, config), path, config,
                            len(names), layout, _dist._tag_of(prefix, r),
                            None if r == 0 else outcome[1], plan if r == 0 else None,
-                           files if r == 0 else None, middle if r == 0 else None)
+                           files if r == 0 else None, middle if r == 0 else None,
+                           _C.crc32(middle) if r == 0 and middle is not None else None,
+                           source if r == 0 else None)
         return sent._replace(steady=st)
 
     @staticmethod
@@ -620,7 +624,7 @@ class DcpxProtocol:
         """Rank 0's commit of a steady-state save: (outcome, Metadata)."""
         from dcpx.coordination import dist as _dist
         st = _dist._steady_for(sent, writer, path, _SimGroup(0, len(sent.steady.files)))
-        outcome, metadata = _dist._commit_steady(writer, st, tag)
+        outcome, metadata, _ = _dist._commit_steady(writer, st, tag)
         if outcome[0] != "ok":
             raise RuntimeError(f"simulated steady commit: {outcome!r}")
         return outcome, metadata
@@ -732,7 +736,7 @@ def _dcpx_save(model: Model, directory: str, state: dict, profile: Any, repeat: 
     with prof:
         with ph("g2_decode"):
             gathered = [_loads(w) for w in wires3]
-        cell: list = [None]
+        cell: list = [None, None]
         with ph("commit"):
             outcome, _ = proto.commit(writer, plan, gathered, cell)
         with ph("b_encode"):
@@ -746,7 +750,7 @@ def _dcpx_save(model: Model, directory: str, state: dict, profile: Any, repeat: 
     # what rank 0 and rank k keep for a steady-state save after this one
     for r, oc in ((0, outcome), (other, outcome_k)):
         sents[r] = proto.remember_steady(writer, sents[r], r, R, path, own[r][0], own[r][1],
-                                         oc, plan, nfiles, cell[0])
+                                         oc, plan, nfiles, cell[0], cell[1])
     del plan
     writer._release_tag()
     return {"rank0": ph.as_dict(), "rank0_local": rank_ph[0].as_dict(),
@@ -799,11 +803,31 @@ def _dcpx_steady(model: Model, directory: str, state: dict, profile: Any) -> dic
     wire.add("same", "all_reduce", [16] * R)
     make_data_files(directory, {f"{writer._prefix(r, tag)}0.distcp": n
                                 for r, n in enumerate(state["file_sizes"]) if n})
-    with prof:
-        with ph("commit"):
-            outcome, _ = proto.commit_steady(writer, sents[0], path, tag)
-        with ph("b_encode"):
-            wire2 = _dumps(outcome)
+    # the part of the commit that moves the encoded middle's bytes into the
+    # new .metadata (copy_file_range from the last file, or from memory)
+    from dcpx.storage import commit as _commit_mod
+    copy = {"cpu": 0.0, "wall": 0.0}
+    before = dict(_commit_mod.MIDDLE_BYTES)
+    real_copy = _commit_mod._copy_middle
+
+    def timed_copy(*a, **kw):
+        c0, w0 = time.process_time(), time.perf_counter()
+        try:
+            return real_copy(*a, **kw)
+        finally:
+            copy["cpu"] += time.process_time() - c0
+            copy["wall"] += time.perf_counter() - w0
+    _commit_mod._copy_middle = timed_copy
+    try:
+        with prof:
+            with ph("commit"):
+                outcome, _ = proto.commit_steady(writer, sents[0], path, tag)
+    finally:
+        _commit_mod._copy_middle = real_copy
+    copy["copied"] = _commit_mod.MIDDLE_BYTES["copied"] - before["copied"]
+    copy["written"] = _commit_mod.MIDDLE_BYTES["written"] - before["written"]
+    with ph("b_encode"):
+        wire2 = _dumps(outcome)
     wire.add("outcome", "broadcast", [len(wire2)])
     with rank_ph[other]("b_decode"):
         oc = _loads(wire2)
@@ -813,7 +837,7 @@ def _dcpx_steady(model: Model, directory: str, state: dict, profile: Any) -> dic
             "other_local": rank_ph[other].as_dict(), "other": other,
             "collectives": wire.summary(other),
             "metadata_bytes": os.path.getsize(os.path.join(directory, ".metadata")),
-            "data_files": sum(1 for n in state["file_sizes"] if n)}
+            "data_files": sum(1 for n in state["file_sizes"] if n), "middle_copy": copy}
 
 
 # ---------------------------------------------------------------- torch's protocol
@@ -1561,7 +1585,26 @@ def _machine() -> dict:
     return {"cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "platform": platform.platform(),
             "commit": git + ("-dirty" if dirty else ""), "loadavg_before": _load_avg(),
-            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+            "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "workdir_fs": _file_system(tempfile.gettempdir())}
+
+
+def _file_system(path: str) -> str:
+    """The type of the file system that holds ``path`` (its mount point's
+    entry in /proc/mounts): the checkpoints of the simulation go there."""
+    best = ("", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2:
+                    mnt = parts[1]
+                    if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) \
+                            and len(mnt) > len(best[0]):
+                        best = (mnt, parts[2])
+    except OSError:
+        pass
+    return f"{best[1]} at {best[0] or '?'}"
 
 
 def _load_avg() -> str:
@@ -1601,6 +1644,8 @@ def markdown(report: dict) -> str:
          f"{report['machine']['cpus']} CPUs, {report['machine']['mem_gib']} GiB",
          f"- load average before / after: {report['machine']['loadavg_before']} / "
          f"{report['machine'].get('loadavg_after', '?')}",
+         f"- checkpoints written to: {report['machine'].get('workdir_fs', 'not recorded')} "
+         f"(the file system under TMPDIR)",
          f"- times are rank 0's CPU seconds (`process_time`) per phase on this machine; rows "
          f"whose R x T exceeds {report['max_items']:,} chunks run with fewer tensors per rank "
          f"(column T: asked -> run, both libraries alike)", ""]
@@ -1670,6 +1715,27 @@ def markdown(report: dict) -> str:
                                                     "g2_decode", "commit", "b_encode"))
                     + f" | {_fmt_s(x[k]['rank0']['cpu_total'])} | "
                     f"{_fmt_s(x[k]['rank0'].get('gc_total', 0.0))} |")
+    copies = [(kind, R, T, x) for (series, kind, R, T), libs in by.items()
+              for x in [libs.get("dcpx")] if x and "steady" in x
+              and x["steady"].get("middle_copy")]
+    if copies:
+        L += ["", "## dcpx's steady-state commit: what moving the encoded middle costs", "",
+              "Rank 0 writes the names and storage_meta, and the kernel copies the encoded "
+              "middle from the last `.metadata` that holds it (`copy_file_range`: a page-cache "
+              "copy on ext4, a reflink on XFS or btrfs, a server-side copy on NFS 4.2; from "
+              "memory where it cannot).  The rest is what grows with ranks only: file names, "
+              "the directory's cleanup.", "",
+              "| shape | ranks | T | `.metadata` | commit CPU | of which the copy, CPU / wall | "
+              "bytes copied by the kernel / from memory | commit CPU less the copy |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for kind, R, T, x in copies:
+            st = x["steady"]
+            c = st["middle_copy"]
+            commit = st["rank0"]["cpu"].get("commit", 0.0)
+            L.append(f"| {kind} | {R:,} | {T} | {_fmt_b(st.get('metadata_bytes'))} | "
+                     f"{_fmt_s(commit)} | {_fmt_s(c['cpu'])} / {_fmt_s(c['wall'])} | "
+                     f"{_fmt_b(c['copied'])} / {_fmt_b(c['written'])} | "
+                     f"{_fmt_s(max(0.0, commit - c['cpu']))} |")
     L += ["", "## Each rank's own work per save (CPU: rank 0 / rank k): its plan message, "
           "taking its reply, its write report, decoding the broadcast", "",
           "| shape | ranks | T | lib | save | local plan | reply | write report | decode "

@@ -903,7 +903,7 @@ PyObject *dcpx_dump_metadata(PyObject *Py_UNUSED(module), PyObject *args,
     commit_frame(&e);
     if (rc == 0) {
         out = PyBytes_FromStringAndSize(e.buf, (Py_ssize_t)e.len);
-        if (out != NULL && names != Py_None && middle == Py_None) {
+        if (out != NULL && names != Py_None) {
             PyObject *t = Py_BuildValue("(Nnn)", out, (Py_ssize_t)mark0,
                                         (Py_ssize_t)mark1);
             out = t;

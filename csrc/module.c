@@ -299,8 +299,9 @@ PyDoc_STRVAR(dump_metadata_doc,
              "(dcpx/formats/metadata.py builds it).  None when the graph holds "
              "anything else: the caller then uses Python's pickler.  With "
              "names (a tuple of str), the split form (csrc/mdpickle.c): "
-             "(bytes, start, end) of the metadata's part, or bytes when that "
-             "part is given as middle.");
+             "(bytes, start, end): where the metadata's part (or the given "
+             "middle) starts and ends.  With middle=b'', start == end is where "
+             "a middle goes: the parts around it are encoded alone.");
 
 PyDoc_STRVAR(scan_plain_doc,
              "scan_plain($module, values, expect, direct, dl_dtypes, export, cuda, /)\n--\n\n"

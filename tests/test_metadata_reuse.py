@@ -159,3 +159,115 @@ def test_a_splice_for_another_metadata_or_a_name_written_out_is_not_used(tmp_pat
     copy = "".join(["x.", "distcp"])
     data = _metadata.dumps(other, _metadata.Splice(other, (copy,), cell, [], None))
     assert pickle.loads(data) == other and cell == [None]
+
+
+# ------------------------------------------------ steady-state: the middle by parts
+
+def test_steady_dumps_is_split_dumps_by_parts_with_a_combined_crc(tmp_path):
+    """The steady-state save encodes only the names and storage_meta and
+    combines the trailer's CRC from the parts': the bytes are split_dumps's
+    with the same middle, for names and tails of other lengths."""
+    md = dcpx.save(_state(n=120), storage_writer=fast_writer(tmp_path / "c"))
+    names = ("__0_aa_0.distcp", "__1_aa_0.distcp")
+    first = _metadata_with(md, names, "/x")
+    data, middle, at = _metadata.split_dumps(first, names)
+    assert middle is not None and data[at:at + len(middle)] == middle
+    for names2, cid in ((names, "/x"), (("__0_" + "b" * 90 + "_0.distcp", "n"), "/" + "y" * 700)):
+        second = _metadata_with(md, names2, cid)
+        want = _metadata.split_dumps(second, names2, middle)[0]
+        got = _metadata.steady_dumps(second, names2, middle, _C.crc32(middle))
+        assert bytes(got) == want and got.size() == len(want)
+        assert got.middle is middle and got.source is None
+        assert pickle.loads(bytes(got)) == second == _metadata.loads(bytes(got), "x")
+    # a wrong CRC for the middle is a wrong trailer: dcpx's reader refuses it
+    bad = _metadata.steady_dumps(second, names2, middle, _C.crc32(middle) ^ 1)
+    with pytest.raises(dcpx.CorruptCheckpointError):
+        _metadata.loads(bytes(bad), "x")
+
+
+class _W:
+    """What dcpx.storage.commit.commit uses of a writer."""
+
+    def __init__(self, path):
+        self.path, self.rank, self.save_id = Path(path), 0, "sid"
+        self.sync_files, self.use_collectives = False, True
+        self._save_lock = self._commit_check = None
+
+    def _metadata_path(self):
+        return self.path / ".metadata"
+
+    def _discard_own(self):
+        pass
+
+    def _remove_unreferenced(self, *args):
+        pass
+
+    def _release_tag(self):
+        pass
+
+
+@pytest.mark.parametrize("case", ["copied", "aligned", "no-source", "gone", "changed", "exdev",
+                                  "short"])
+def test_a_spliced_commit_copies_the_middle_only_from_the_file_it_wrote(tmp_path, case,
+                                                                        monkeypatch):
+    """dcpx.storage.commit writes a Spliced's middle by copy_file_range
+    from its source while that file is the one it wrote, and from memory
+    when there is none, it is gone or changed, or the kernel refuses or
+    stops short; the file's bytes are the same every way."""
+    import os
+
+    from dcpx.storage import commit as _commit
+    works = _kernel_copies(tmp_path)
+    pre, middle, post = b"P" * 10, bytes(range(256)) * 4000, b"T" * 7
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    # "aligned": the middle at the same offset in both files (whole blocks
+    # copied, the partial blocks at its ends written)
+    at = len(pre) if case == "aligned" else 3
+    ident = _commit.commit(_W(tmp_path / "a"), None,
+                           _metadata.Spliced(b"Q" * at, middle, b"", None))
+    assert ident[2] == at + len(middle)
+    src = _metadata.FileRegion(str(tmp_path / "a" / ".metadata"), at, ident)
+    if case == "no-source":
+        src = None
+    elif case == "gone":
+        os.unlink(tmp_path / "a" / ".metadata")
+    elif case == "changed":
+        with open(tmp_path / "a" / ".metadata", "r+b") as f:
+            f.seek(100)
+            f.write(b"\0")
+        os.utime(tmp_path / "a" / ".metadata", ns=(0, ident[3] + 1))
+    elif case == "exdev":
+        def refuse(*args):
+            raise OSError(18, "Invalid cross-device link")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    elif case == "short":
+        real = os.copy_file_range
+        calls = []
+
+        def short(s, d, n, off=None):
+            calls.append(n)
+            return real(s, d, min(n, 1000), off) if len(calls) == 1 else 0
+        monkeypatch.setattr(os, "copy_file_range", short)
+    before = dict(_commit.MIDDLE_BYTES)
+    _commit.commit(_W(tmp_path / "b"), None, _metadata.Spliced(pre, middle, post, src))
+    assert (tmp_path / "b" / ".metadata").read_bytes() == pre + middle + post
+    copied = _commit.MIDDLE_BYTES["copied"] - before["copied"]
+    written = _commit.MIDDLE_BYTES["written"] - before["written"]
+    assert copied + written == len(middle)
+    bs = max(512, os.stat(tmp_path / "b" / ".metadata").st_blksize)
+    whole = (len(middle) - (bs - len(pre))) // bs * bs
+    want = {"copied": len(middle), "short": 1000, "aligned": whole}.get(case, 0) if works else 0
+    assert copied == want, (case, copied, written)
+
+
+def _kernel_copies(directory) -> bool:
+    """Whether copy_file_range works between two files of ``directory``."""
+    import os
+    a, b = Path(directory) / "probe.a", Path(directory) / "probe.b"
+    a.write_bytes(b"x" * 4096)
+    try:
+        with open(a, "rb") as src, open(b, "wb") as dst:
+            return os.copy_file_range(src.fileno(), dst.fileno(), 4096) == 4096
+    except (AttributeError, OSError):
+        return False

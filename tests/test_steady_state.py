@@ -256,8 +256,79 @@ def check_failed_steady_save_then_recovers(ctx):
     assert _save(ctx.path("f4"), _state(r, 4)) == "steady"
 
 
+def _kernel_copies(directory: str) -> bool:
+    """Whether copy_file_range works between two files of ``directory``."""
+    a, b = os.path.join(directory, "probe.a"), os.path.join(directory, "probe.b")
+    with open(a, "wb") as f:
+        f.write(b"x" * 4096)
+    try:
+        with open(a, "rb") as src, open(b, "wb") as dst:
+            return os.copy_file_range(src.fileno(), dst.fileno(), 4096) == 4096
+    except (AttributeError, OSError):
+        return False
+    finally:
+        for p in (a, b):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def check_steady_metadata_is_copied_from_the_last_file(ctx):
+    """Rank 0 writes a steady-state save's .metadata from the last file
+    that holds the encoded middle (copy_file_range: the bytes never pass
+    through the process) while that file is the one it wrote; a removed
+    or rewritten file is not trusted: the bytes come from memory.  Every
+    checkpoint loads bit-exact in both libraries (_save)."""
+    import shutil
+
+    import torch.distributed as dist
+    from dcpx.storage.commit import MIDDLE_BYTES
+    _fresh()
+    r = ctx.rank
+    copies = _kernel_copies(ctx.path("")) if r == 0 else None
+
+    def moved(step: int, **kw) -> tuple:
+        before = dict(MIDDLE_BYTES)
+        assert _save(ctx.path(f"m{step}"), _state(r, step)) == kw.pop("path", "steady"), step
+        return (MIDDLE_BYTES["copied"] - before["copied"],
+                MIDDLE_BYTES["written"] - before["written"])
+
+    assert moved(0, path="full") == (0, 0)
+    for step in (1, 2):  # from m0's file, then m1's
+        copied, written = moved(step)
+        if r == 0:
+            assert copied + written > 0 and (copied > 0) == copies and (written == 0) == copies, \
+                (step, copied, written, copies)
+        else:
+            assert (copied, written) == (0, 0)
+    # retention removed the last step: its file is gone
+    if r == 0:
+        shutil.rmtree(ctx.path("m2"))
+    dist.barrier()
+    copied, written = moved(3)
+    if r == 0:
+        assert copied == 0 and written > 0, (copied, written)
+    copied, written = moved(4)  # from m3's file again
+    if r == 0:
+        assert (copied > 0) == copies, (copied, written)
+        # the last file rewritten in place (same size): not the one written
+        meta = os.path.join(ctx.path("m4"), ".metadata")
+        size = os.path.getsize(meta)
+        with open(meta, "r+b") as f:
+            f.seek(size // 2)
+            b = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([b[0] ^ 0xFF]))
+        st = os.stat(meta)
+        os.utime(meta, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    dist.barrier()
+    copied, written = moved(5)
+    if r == 0:
+        assert copied == 0 and written > 0, (copied, written)
+
+
 CHECKS = [check_unchanged_plan_is_steady, check_changes_take_the_full_path,
-          check_failed_steady_save_then_recovers]
+          check_failed_steady_save_then_recovers,
+          check_steady_metadata_is_copied_from_the_last_file]
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .. import _C
 from ..formats import chunks as _chunks, metadata as _metadata
 from . import plan as _plan, readplan as _readplan
 from ..formats.files import DCP_VERSION, disagreeing_paths
@@ -375,7 +376,8 @@ class _LazyMetadata(Metadata):
     def _decode(self) -> None:
         enc = self.__dict__.pop("_dcpx_encoded", None)
         if enc is not None:
-            md = _metadata.loads(*enc)
+            data, where = enc
+            md = _metadata.loads(data if isinstance(data, bytes) else bytes(data), where)
             retag = self.__dict__.pop("_dcpx_retag", None)
             if retag is not None:
                 _retag(md, *retag)
@@ -541,7 +543,7 @@ def _gather_and_commit(writer: FileSystemWriter, g: _Group, gkey: tuple, sent: _
     gathered = g.gather(msg)
     outcome = None
     metadata = None
-    cell: list = [None]
+    cell: list = [None, None]  # the encoded middle, the file that holds it
     if g.is_coordinator:
         outcome, metadata = _commit(writer, plan, gathered, own, cell=cell)
         if outcome[0] == "ok":
@@ -563,16 +565,17 @@ def _gather_and_commit(writer: FileSystemWriter, g: _Group, gkey: tuple, sent: _
         path = path_key(writer.path)
         config = _writer_config(writer)
         if tag is not None:
-            files = middle = base = None
+            files = middle = base = crc = None
             known = None
             if g.is_coordinator:
                 known = plan
                 files = tuple(len(m[1]) for m in gathered)
                 middle = cell[0]
+                crc = None if middle is None else _C.crc32(middle)
             else:
                 base = outcome[1]
             steady = _Steady(sid, _steady_key(sid, path, config), path, config, len(names),
-                             layout, tag, base, known, files, middle)
+                             layout, tag, base, known, files, middle, crc, cell[1])
     if sent is not None:
         _remember_sent(gkey, sent._replace(steady=steady))
     if metadata is None:
@@ -625,6 +628,8 @@ class _Steady(NamedTuple):
     plan: Optional[GlobalPlan]      # rank 0: the global plan
     files: Optional[tuple]          # rank 0: data files per rank
     middle: Optional[bytes]         # rank 0: the encoded middle
+    middle_crc: Optional[int] = None        # rank 0: its CRC-32
+    source: Optional[_metadata.FileRegion] = None  # rank 0: a file that holds it
 
 
 def _writer_config(writer: FileSystemWriter) -> tuple:
@@ -719,13 +724,15 @@ def _save_steady(writer: FileSystemWriter, g: _Group, gkey: tuple, items: list,
     outcome = None
     metadata = None
     if g.is_coordinator:
-        outcome, metadata = _commit_steady(writer, st, tag)
+        outcome, metadata, source = _commit_steady(writer, st, tag)
     outcome = g.broadcast(outcome)
     if outcome[0] != "ok":
         if outcome[0] == "err":
             _discard(writer, names)
         _remember_sent(gkey, sent._replace(steady=None))
         _raise_remote("save", outcome[1], own, writer.path)
+    if g.is_coordinator:  # the next save copies the middle from this file
+        _remember_sent(gkey, sent._replace(steady=st._replace(source=source)))
     STEADY_SAVES[0] += 1
     if metadata is None:
         metadata = _LazyMetadata(st.base, str(writer.path / _metadata.METADATA_FN),
@@ -735,26 +742,31 @@ def _save_steady(writer: FileSystemWriter, g: _Group, gkey: tuple, items: list,
 
 def _commit_steady(writer: FileSystemWriter, st: _Steady, tag: str) -> tuple:
     """Rank 0's commit of a steady-state save: the last full save's encoded
-    middle with this save's file names and storage_meta."""
+    middle with this save's file names and storage_meta; (outcome,
+    Metadata, where the new file holds the middle).  Only the names and
+    storage_meta are encoded; the middle is copied in the kernel from the
+    last file that holds it (dcpx.storage.commit; from memory where the
+    file system cannot or that file changed), and the trailer's CRC is
+    combined from the parts' (the middle's is kept from the full save)."""
     try:
         names = tuple(f"{writer._prefix(r, tag)}{i}.distcp"
                       for r, n in enumerate(st.files) for i in range(n))
         storage_meta = writer.storage_meta()
         head = new_metadata(state_dict_metadata={}, planner_data={}, storage_data={},
                             storage_meta=storage_meta, version=DCP_VERSION)
-        out = _metadata.split_dumps(head, names, st.middle)
-        if out is None:
+        crc = st.middle_crc if st.middle_crc is not None else _C.crc32(st.middle)
+        data = _metadata.steady_dumps(head, names, st.middle, crc, st.source)
+        if data is None:
             raise CheckpointError("dcpx: the metadata encoder declined a steady-state save")
-        data = out[0]
         metadata = _LazyMetadata(data, str(writer.path / _metadata.METADATA_FN),
                                  files=frozenset(names))
     except Exception as e:
-        return ("err", [_failure(0, e)[1]]), None
+        return ("err", [_failure(0, e)[1]]), None, None
     try:
-        writer.commit(metadata, data)
+        written = writer.commit(metadata, data)
     except Exception as e:
-        return ("unknown", [f"rank 0: commit: {type(e).__name__}: {e}"]), None
-    return ("ok", storage_meta), metadata
+        return ("unknown", [f"rank 0: commit: {type(e).__name__}: {e}"]), None, None
+    return ("ok", storage_meta), metadata, _middle_source(writer, written, len(data.pre))
 
 
 # ------------------------------------------------------------ plan exchange
@@ -1000,8 +1012,9 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
         if (type(writer).encode_metadata is FileSystemWriter.encode_metadata
                 and len(set(all_names)) == len(all_names)):
             out = _metadata.split_dumps(metadata, tuple(all_names))
+        at = 0
         if out is not None:
-            data = out[0]
+            data, at = out[0], out[2]
             if cell is not None:
                 cell[0] = out[1]
         else:
@@ -1009,10 +1022,21 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
     except Exception as e:
         return ("err", [_failure(rank, e)[1]]), None
     try:
-        writer.commit(metadata, data)
+        written = writer.commit(metadata, data)
     except Exception as e:
         return ("unknown", [f"rank {rank}: commit: {type(e).__name__}: {e}"]), None
+    if cell is not None and len(cell) > 1 and cell[0] is not None:
+        cell[1] = _middle_source(writer, written, at)
     return ("ok", data), metadata
+
+
+def _middle_source(writer: FileSystemWriter, written: Any,
+                   offset: int) -> Optional[_metadata.FileRegion]:
+    """Where the .metadata just committed holds its middle (None: the
+    writer's commit did not say which file it wrote)."""
+    if not (isinstance(written, tuple) and len(written) == 4):
+        return None
+    return _metadata.FileRegion(str(writer._metadata_path()), offset, written)
 
 
 def _save_alone(writer: FileSystemWriter, flat: dict, mappings: dict, g: _Group,

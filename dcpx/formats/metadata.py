@@ -161,8 +161,9 @@ def _split_body(metadata: _md.Metadata, splice: Splice) -> bytes | None:
         return None
     head, tail = parts
     if splice.middle is not None:
-        return _C.dump_metadata(head, _KINDS, _PROTOCOL, names=splice.names, tail=tail,
-                                middle=splice.middle)
+        out = _C.dump_metadata(head, _KINDS, _PROTOCOL, names=splice.names, tail=tail,
+                               middle=splice.middle)
+        return None if out is None else out[0]
     out = _C.dump_metadata(head, _KINDS, _PROTOCOL, names=splice.names, tail=tail)
     if out is None:
         return None
@@ -176,10 +177,10 @@ def _split_body(metadata: _md.Metadata, splice: Splice) -> bytes | None:
 
 
 def split_dumps(metadata: _md.Metadata, names: tuple,
-                middle: Optional[bytes] = None) -> tuple[bytes, Optional[bytes]] | None:
+                middle: Optional[bytes] = None) -> tuple[bytes, Optional[bytes], int] | None:
     """A multi-rank save's .metadata bytes in the split form ("Reuse of the
     encoded body" above; dcpx.coordination.dist, "Steady-state saves"):
-    (data, middle), the middle reusable by a later save with as many data
+    (data, middle, where the middle starts in data), the middle reusable by a later save with as many data
     files, the same plan and the same layouts (None when it is not: a
     name is also a key or a planner_data string, so it is written out in
     full).  ``names``: the data file names, the very str objects that
@@ -192,9 +193,10 @@ def split_dumps(metadata: _md.Metadata, names: tuple,
         return None
     head, tail = parts
     if middle is not None:
-        body = _C.dump_metadata(head, _KINDS, _PROTOCOL, names=names, tail=tail, middle=middle)
-        if body is None:
+        out = _C.dump_metadata(head, _KINDS, _PROTOCOL, names=names, tail=tail, middle=middle)
+        if out is None:
             return None
+        body, start = out[0], out[1]
     else:
         out = _C.dump_metadata(head, _KINDS, _PROTOCOL, names=names, tail=tail)
         if out is None:
@@ -208,7 +210,58 @@ def split_dumps(metadata: _md.Metadata, names: tuple,
                 p in named for path in (metadata.planner_data or {}).values()
                 if type(path) is tuple for p in path if type(p) is str):
             middle = None
-    return body + _TRAILER.pack(_TRAILER_MAGIC, _C.crc32(body), len(body)), middle
+    return body + _TRAILER.pack(_TRAILER_MAGIC, _C.crc32(body), len(body)), middle, start
+
+
+class FileRegion(NamedTuple):
+    """Where an earlier .metadata file of this process holds a middle: the
+    file, the middle's offset in it, and the file's identity when it was
+    written ((st_dev, st_ino, st_size, st_mtime_ns)); a copy from it is
+    taken only while the file is still that one (dcpx.storage.commit)."""
+    path: str
+    offset: int
+    identity: tuple
+
+
+class Spliced(NamedTuple):
+    """A .metadata file's bytes as ``pre + middle + post``, ``post`` ending
+    with the trailer.  The commit writes ``pre`` and ``post`` and copies
+    ``middle`` from ``source`` where it can (``copy_file_range``: no pass
+    over the bytes in this process; a reflink on XFS, btrfs, or a
+    server-side copy on NFS 4.2), writing it from memory otherwise."""
+    pre: bytes
+    middle: bytes
+    post: bytes
+    source: Optional[FileRegion]
+
+    def __bytes__(self) -> bytes:
+        return b"".join((self.pre, self.middle, self.post))
+
+    def size(self) -> int:
+        return len(self.pre) + len(self.middle) + len(self.post)
+
+
+def steady_dumps(metadata: _md.Metadata, names: tuple, middle: bytes, middle_crc: int,
+                 source: Optional[FileRegion] = None) -> Optional[Spliced]:
+    """split_dumps with a cached ``middle`` (whose CRC-32 is ``middle_crc``)
+    as a Spliced: only the names and storage_meta are encoded, and the
+    trailer's CRC is combined from the parts' (the middle is not read).
+    ``pre + middle + post`` is split_dumps(metadata, names, middle)[0].
+    None: the C encoder declined."""
+    parts = _split_parts(metadata)
+    if parts is None:
+        return None
+    head, tail = parts
+    out = _C.dump_metadata(head, _KINDS, _PROTOCOL, names=names, tail=tail, middle=b"")
+    if out is None:
+        return None
+    body, at, _ = out
+    pre, post = body[:at], body[at:]
+    crc = _C.crc32_combine(_C.crc32_combine(_C.crc32(pre), middle_crc, len(middle)),
+                           _C.crc32(post), len(post))
+    size = len(pre) + len(middle) + len(post)
+    return Spliced(pre, middle, post + _TRAILER.pack(_TRAILER_MAGIC, crc, size),
+                   source)
 
 
 def _python_body(metadata: Any) -> bytes:

@@ -413,10 +413,11 @@ class FileSystemWriter(StorageWriter):
         splice, self._splice = getattr(self, "_splice", None), None
         return _metadata.dumps(metadata, splice)
 
-    def commit(self, metadata: Metadata, data: Optional[bytes] = None) -> None:
+    def commit(self, metadata: Metadata, data: Any = None) -> Optional[tuple]:
         """Make the checkpoint visible atomically (dcpx.storage.commit).  ``data``
-        is ``encode_metadata(metadata)`` if the caller has it."""
-        _commit.commit(self, metadata, data)
+        is ``encode_metadata(metadata)`` (bytes, or a formats.metadata.Spliced)
+        if the caller has it.  Returns the identity of the file written."""
+        return _commit.commit(self, metadata, data)
 
     def _discard_own(self) -> None:
         """Remove every data file of this save (all ranks'): it will not be
