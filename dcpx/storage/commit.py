@@ -208,7 +208,7 @@ def _supersede_other_mode(self: Committing, names: list, own: str) -> None:
     not load); a collective save removes ``__{rank}.metadata`` files (their
     data files are deleted below; ``load`` reads ``.metadata`` first)."""
     if own == "__":
-        stale = [n for n in names if _RANK_METADATA.match(n)]
+        stale = [n for n in names if n.endswith(".metadata") and _RANK_METADATA.match(n)]
     else:
         stale = [n for n in names if n == METADATA_FN]
     for name in stale:
@@ -253,7 +253,9 @@ def remove_unreferenced(self: Committing, metadata: Metadata,
         names = os.listdir(self.path)
         _supersede_other_mode(self, names, own)
         for name in names:
-            stale_data = _DATA_FILE.match(name) and name.startswith(own) and name not in keep
+            if name in keep:  # most names, at scale: no pattern to match
+                continue
+            stale_data = _DATA_FILE.match(name) and name.startswith(own)
             if stale_data:
                 m = _TAGGED_DATA_FILE.match(name)
                 if m and m.group(1) != mine and not is_dead(m.group(1)):
@@ -265,7 +267,7 @@ def remove_unreferenced(self: Committing, metadata: Metadata,
                 except FileNotFoundError:
                     pass
         for name in names:  # locks of saves that died before writing
-            m = _locks.SAVE_LOCK_RE.match(name)
+            m = _locks.SAVE_LOCK_RE.match(name) if name.startswith(".dcpx.") else None
             if m and m.group(1) != mine:
                 is_dead(m.group(1))
     finally:
