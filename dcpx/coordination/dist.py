@@ -35,6 +35,8 @@ import bisect
 import contextlib
 import dataclasses
 import hashlib
+import itertools
+import operator
 import os
 import pickle
 import re
@@ -48,6 +50,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
+    MetadataIndex,
     TensorStorageMetadata,
 )
 
@@ -1067,12 +1070,17 @@ class _ChunkIndex:
     __slots__ = ("chunks", "starts", "max_end")
 
     def __init__(self, chunks: list) -> None:
-        self.chunks = sorted(chunks, key=lambda c: c.offsets[0])
-        self.starts = [c.offsets[0] for c in self.chunks]
-        self.max_end, m = [], 0
-        for c in self.chunks:
-            m = max(m, c.offsets[0] + c.sizes[0])
-            self.max_end.append(m)
+        # (a key's chunks are R of them at R ranks: no Python step per chunk
+        # that a builtin can take; the order is sorted()'s, stable)
+        starts = [c.offsets[0] for c in chunks]
+        if any(map(operator.gt, starts, itertools.islice(starts, 1, None))):
+            order = sorted(range(len(starts)), key=starts.__getitem__)
+            chunks = [chunks[i] for i in order]
+            starts = [starts[i] for i in order]
+        self.chunks = list(chunks)
+        self.starts = starts
+        self.max_end = list(itertools.accumulate(
+            map(operator.add, starts, [c.sizes[0] for c in self.chunks]), max))
 
     def overlapping(self, lo: int, hi: int) -> list:
         j = bisect.bisect_left(self.starts, hi) - 1
@@ -1081,6 +1089,23 @@ class _ChunkIndex:
             out.append(self.chunks[j])
             j -= 1
         return out
+
+
+class _StorageLookup:
+    """``storage_data`` looked up by (fqn, offsets or None), as a dict
+    keyed that way would answer, without building one over every entry
+    (R x T of them at R ranks, for the few a rank reads)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, storage_data: dict) -> None:
+        self._data = storage_data
+
+    def get(self, key: tuple) -> Any:
+        fqn, offsets = key
+        # MetadataIndex hashes and compares (fqn, offset) only; its
+        # constructor makes offsets a torch.Size, equal to the tuple
+        return self._data.get(MetadataIndex(fqn, offsets))
 
 
 def _candidates(md: TensorStorageMetadata, cache: dict, fqn: str, offsets, sizes) -> list:
@@ -1103,8 +1128,7 @@ def plan_reads(reader: FileSystemReader, metadata: Metadata, flat: dict,
     at the end of the reads when ``serial`` is None.  Elements that no chunk
     holds are an error, naming the key."""
     sdm = metadata.state_dict_metadata
-    storage = {(k.fqn, None if k.offset is None else tuple(k.offset)): v
-               for k, v in metadata.storage_data.items()}
+    storage = _StorageLookup(metadata.storage_data)
     reads, byte_keys, cache = [], [], {}
     overlapped: dict = {}  # fqn -> (its reads, their chunks, its region)
     for fqn, obj in flat.items():
