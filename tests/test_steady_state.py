@@ -296,8 +296,9 @@ def check_steady_metadata_is_copied_from_the_last_file(ctx):
     for step in (1, 2):  # from m0's file, then m1's
         copied, written = moved(step)
         if r == 0:
-            assert copied + written > 0 and (copied > 0) == copies and (written == 0) == copies, \
-                (step, copied, written, copies)
+            # (the partial blocks at the middle's ends may be written)
+            assert copied + written > 0 and (copied > 0) == copies, (step, copied, written, copies)
+            assert not copies or written < 2 * 65536, (step, copied, written)
         else:
             assert (copied, written) == (0, 0)
     # retention removed the last step: its file is gone
