@@ -341,3 +341,38 @@ def session(tmp_path_factory):
 @pytest.mark.parametrize("check", [c.__name__ for c in CHECKS])
 def test_steady_state(session, check):
     session.assert_ok(check)
+
+
+def test_a_writer_subclass_with_its_own_commit_gets_the_metadata_as_bytes(tmp_path):
+    """A FileSystemWriter subclass that overrides ``commit`` (to upload
+    the bytes, say) is handed ``bytes`` by a steady-state save, as by every
+    other save, not the spliced parts."""
+    from dcpx.coordination import dist as _dist
+    from dcpx.formats import metadata as _metadata
+    from dcpx.storage.writer import FileSystemWriter
+
+    got = []
+
+    class Uploading(FileSystemWriter):
+        def commit(self, metadata, data=None):
+            got.append(type(data))
+            return super().commit(metadata, data)
+
+    names = ("__0_aa_0.distcp",)
+    md = _dist.new_metadata(state_dict_metadata={}, planner_data={}, storage_data={},
+                            storage_meta=None, version=_dist.DCP_VERSION)
+    data, middle, _ = _metadata.split_dumps(md, names)
+    st = _dist._Steady(1, 1, str(tmp_path), (), 1, [], "aa", None, None, (1,), middle,
+                       None, None)
+    for cls, want in ((Uploading, bytes), (FileSystemWriter, _metadata.Spliced)):
+        got.clear()
+        w = cls(tmp_path / cls.__name__, sync_files=False)
+        w.set_up_storage_writer(True, rank=0, use_collectives=True)
+        if cls is FileSystemWriter:  # records what it was given
+            real = _dist.FileSystemWriter.commit
+            cls_commit = lambda self, m, d=None: (got.append(type(d)), real(self, m, d))[1]
+            w.commit = cls_commit.__get__(w)
+        outcome, _, _ = _dist._commit_steady(w, st, w._tag())
+        w._release_tag()
+        assert outcome[0] == "ok", outcome
+        assert got == [want], (cls, got)
