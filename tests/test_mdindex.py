@@ -627,3 +627,24 @@ def test_decoder_many_files_hostile_names_still_refused():
         md = _many_files_metadata(1000, 1)
         md.storage_data[MetadataIndex("r777.w0", [0])].relative_path = bad
         assert _metadata.index(_raw(md), "x") is None
+
+
+def test_the_python_decode_of_indexed_bytes_is_not_validated_twice(tmp_path, monkeypatch):
+    """A load that needs the Metadata objects (DTensor destinations,
+    resharding) decodes the bytes the C decoder already accepted and
+    checked: the graph is not walked by _validate again (the tests above
+    hold the C decoder to accept only what _validate accepts).  Bytes the
+    C decoder did not take are validated as always."""
+    sd = {"w": torch.arange(6.0).reshape(2, 3), "n": 3}
+    dcpx.save(sd, checkpoint_id=tmp_path / "c", no_dist=True)
+    raw = (tmp_path / "c" / ".metadata").read_bytes()
+    calls = []
+    real = _metadata._validate
+    monkeypatch.setattr(_metadata, "_validate", lambda md: (calls.append(1), real(md))[1])
+    found = _metadata.index(raw, "x")
+    assert found is not None
+    indexed = _readplan.Checkpoint(None, raw, None, {}, "x", found[0], found[1])
+    plain = _readplan.Checkpoint(None, raw, None, {}, "x")
+    assert indexed.metadata == plain.metadata
+    assert len(calls) == 1  # the plain one only
+    assert set(indexed.metadata.state_dict_metadata) == {"w", "n"}

@@ -140,14 +140,16 @@ class Checkpoint:
 
     def keys(self) -> set:
         """Every key of the checkpoint (decoded for this call only)."""
-        md = self._md if self._md is not None else _metadata.loads(self.raw, self.where)
+        md = self._md if self._md is not None else _metadata.loads(
+            self.raw, self.where, indexed=self.index is not None)
         return set(md.state_dict_metadata)
 
     @property
     def metadata(self) -> Metadata:
         md = self._md
         if md is None:  # the same bytes, checked when first cached
-            md = self._md = _metadata.loads(self.raw, self.where)
+            md = self._md = _metadata.loads(self.raw, self.where,
+                                            indexed=self.index is not None)
         return md
 
     def release(self) -> None:
