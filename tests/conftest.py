@@ -283,6 +283,23 @@ def flip_byte(file, offset: int, mask: int = 0x10) -> None:
         f.write(bytes([b[0] ^ mask]))
 
 
+def kernel_copies(directory) -> bool:
+    """Whether copy_file_range works between two files of ``directory``
+    (a steady-state save copies its metadata's middle with it)."""
+    a, b = os.path.join(directory, "probe.a"), os.path.join(directory, "probe.b")
+    with open(a, "wb") as f:
+        f.write(b"x" * 4096)
+    try:
+        with open(a, "rb") as src, open(b, "wb") as dst:
+            return os.copy_file_range(src.fileno(), dst.fileno(), 4096) == 4096
+    except (AttributeError, OSError):
+        return False
+    finally:
+        for p in (a, b):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)

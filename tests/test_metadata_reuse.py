@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 import dcpx
-from conftest import assert_state_bit_equal, empty_like_state, fast_writer
+from conftest import assert_state_bit_equal, empty_like_state, fast_writer, kernel_copies
 from dcpx import _C
 from dcpx.coordination import plan as _plan
 from dcpx.formats import metadata as _metadata
@@ -217,7 +217,7 @@ def test_a_spliced_commit_copies_the_middle_only_from_the_file_it_wrote(tmp_path
     import os
 
     from dcpx.storage import commit as _commit
-    works = _kernel_copies(tmp_path)
+    works = kernel_copies(tmp_path)
     pre, middle, post = b"P" * 10, bytes(range(256)) * 4000, b"T" * 7
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -259,15 +259,3 @@ def test_a_spliced_commit_copies_the_middle_only_from_the_file_it_wrote(tmp_path
     whole = (len(middle) - (bs - len(pre))) // bs * bs
     want = {"copied": len(middle), "short": 1000, "aligned": whole}.get(case, 0) if works else 0
     assert copied == want, (case, copied, written)
-
-
-def _kernel_copies(directory) -> bool:
-    """Whether copy_file_range works between two files of ``directory``."""
-    import os
-    a, b = Path(directory) / "probe.a", Path(directory) / "probe.b"
-    a.write_bytes(b"x" * 4096)
-    try:
-        with open(a, "rb") as src, open(b, "wb") as dst:
-            return os.copy_file_range(src.fileno(), dst.fileno(), 4096) == 4096
-    except (AttributeError, OSError):
-        return False

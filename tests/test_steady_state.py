@@ -256,22 +256,6 @@ def check_failed_steady_save_then_recovers(ctx):
     assert _save(ctx.path("f4"), _state(r, 4)) == "steady"
 
 
-def _kernel_copies(directory: str) -> bool:
-    """Whether copy_file_range works between two files of ``directory``."""
-    a, b = os.path.join(directory, "probe.a"), os.path.join(directory, "probe.b")
-    with open(a, "wb") as f:
-        f.write(b"x" * 4096)
-    try:
-        with open(a, "rb") as src, open(b, "wb") as dst:
-            return os.copy_file_range(src.fileno(), dst.fileno(), 4096) == 4096
-    except (AttributeError, OSError):
-        return False
-    finally:
-        for p in (a, b):
-            if os.path.exists(p):
-                os.unlink(p)
-
-
 def check_steady_metadata_is_copied_from_the_last_file(ctx):
     """Rank 0 writes a steady-state save's .metadata from the last file
     that holds the encoded middle (copy_file_range: the bytes never pass
@@ -281,10 +265,11 @@ def check_steady_metadata_is_copied_from_the_last_file(ctx):
     import shutil
 
     import torch.distributed as dist
+    from conftest import kernel_copies
     from dcpx.storage.commit import MIDDLE_BYTES
     _fresh()
     r = ctx.rank
-    copies = _kernel_copies(ctx.path("")) if r == 0 else None
+    copies = kernel_copies(ctx.path("")) if r == 0 else None
 
     def moved(step: int, **kw) -> tuple:
         before = dict(MIDDLE_BYTES)
@@ -343,19 +328,24 @@ def test_steady_state(session, check):
     session.assert_ok(check)
 
 
-def test_a_writer_subclass_with_its_own_commit_gets_the_metadata_as_bytes(tmp_path):
+def test_a_writer_subclass_with_its_own_commit_gets_the_metadata_as_bytes(tmp_path,
+                                                                         monkeypatch):
     """A FileSystemWriter subclass that overrides ``commit`` (to upload
     the bytes, say) is handed ``bytes`` by a steady-state save, as by every
     other save, not the spliced parts."""
     from dcpx.coordination import dist as _dist
     from dcpx.formats import metadata as _metadata
+    from dcpx.storage import commit as _commit
     from dcpx.storage.writer import FileSystemWriter
 
     got = []
+    real = _commit.commit
+    # what FileSystemWriter.commit hands the commit, for both writers
+    monkeypatch.setattr(_commit, "commit", lambda w, m, d=None: (got.append(type(d)),
+                                                                 real(w, m, d))[1])
 
     class Uploading(FileSystemWriter):
         def commit(self, metadata, data=None):
-            got.append(type(data))
             return super().commit(metadata, data)
 
     names = ("__0_aa_0.distcp",)
@@ -368,10 +358,6 @@ def test_a_writer_subclass_with_its_own_commit_gets_the_metadata_as_bytes(tmp_pa
         got.clear()
         w = cls(tmp_path / cls.__name__, sync_files=False)
         w.set_up_storage_writer(True, rank=0, use_collectives=True)
-        if cls is FileSystemWriter:  # records what it was given
-            real = _dist.FileSystemWriter.commit
-            cls_commit = lambda self, m, d=None: (got.append(type(d)), real(self, m, d))[1]
-            w.commit = cls_commit.__get__(w)
         outcome, _, _ = _dist._commit_steady(w, st, w._tag())
         w._release_tag()
         assert outcome[0] == "ok", outcome

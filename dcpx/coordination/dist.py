@@ -380,7 +380,7 @@ class _LazyMetadata(Metadata):
         enc = self.__dict__.pop("_dcpx_encoded", None)
         if enc is not None:
             data, where = enc
-            md = _metadata.loads(data if isinstance(data, bytes) else bytes(data), where)
+            md = _metadata.loads(bytes(data), where)  # bytes, or a Spliced
             retag = self.__dict__.pop("_dcpx_retag", None)
             if retag is not None:
                 _retag(md, *retag)
@@ -997,8 +997,9 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
     """(outcome for every rank, Metadata or None).  Outcome ``("err", ...)``
     means nothing was committed; ``("unknown", ...)`` that the commit failed
     after the metadata may have become visible.  dcpx's own encoder writes
-    the split form (dcpx.formats.metadata.split_dumps), and ``cell[0]``
-    gets its reusable middle (None if there is none)."""
+    the split form (dcpx.formats.metadata.split_dumps), and ``cell``
+    ([None, None]) gets its reusable middle (None if there is none) and
+    where the committed file holds it (_middle_source)."""
     errors = [m[1] for m in gathered if m[0] != "ok"]
     if errors or plan is None:
         return ("err", errors or ["planning failed"]), None
@@ -1030,7 +1031,7 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
         written = writer.commit(metadata, data)
     except Exception as e:
         return ("unknown", [f"rank {rank}: commit: {type(e).__name__}: {e}"]), None
-    if cell is not None and len(cell) > 1 and cell[0] is not None:
+    if cell is not None and cell[0] is not None:
         cell[1] = _middle_source(writer, written, at)
     return ("ok", data), metadata
 

@@ -89,7 +89,7 @@ def _copy_middle(fd: int, data: Spliced) -> None:
             sfd = -1
         if sfd >= 0:
             try:
-                if (_identity(os.fstat(sfd)) == tuple(src.identity)
+                if (_identity(os.fstat(sfd)) == src.identity
                         and src.offset + n <= src.identity[2]):
                     bs = max(512, os.fstat(fd).st_blksize)
                     end = n
@@ -103,7 +103,7 @@ def _copy_middle(fd: int, data: Spliced) -> None:
                         if k <= 0:
                             break
                         hi += k
-                    if _identity(os.fstat(sfd)) != tuple(src.identity):
+                    if _identity(os.fstat(sfd)) != src.identity:
                         lo = hi = 0  # written to meanwhile: all from memory
             except OSError:
                 pass  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP: the rest from memory
