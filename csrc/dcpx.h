@@ -300,6 +300,7 @@ PyObject *dcpx_md_index_check(PyObject *module, PyObject *args);
 PyObject *dcpx_md_index_bytes(PyObject *module, PyObject *args);
 PyObject *dcpx_md_index_entries(PyObject *module, PyObject *index);
 PyObject *dcpx_md_index_len(PyObject *module, PyObject *index);
+PyObject *dcpx_md_index_region(PyObject *module, PyObject *args);
 PyObject *dcpx_read_plan_md(PyObject *module, PyObject *args, PyObject *kwds);
 const dcpx_mdindex *dcpx_mdindex_get(PyObject *cap);
 /* 0: no such key; DCPX_MD_BYTES; DCPX_MD_TENSOR with *out filled.

@@ -266,6 +266,13 @@ PyDoc_STRVAR(md_index_bytes_doc,
              "md_index_bytes($module, index, cls, /)\n--\n\n"
              "{fqn: cls(relative_path, offset, length)} for every storage entry "
              "without an offset (the last one per fqn).");
+PyDoc_STRVAR(md_index_region_doc,
+             "md_index_region($module, index, fqn, region, chunk_cls, size_cls, info_cls, /)\n"
+             "--\n\n"
+             "Key fqn for one rank's plan: None (no such key), () (a non-tensor "
+             "value), or (dtype, size, chunks, infos): the saved chunks that meet "
+             "region = (offsets, sizes) (None: no chunks), and their storage "
+             "entries (None where a chunk has none).");
 PyDoc_STRVAR(md_index_len_doc,
              "md_index_len($module, index, /)\n--\n\n"
              "The number of keys in the metadata (its state_dict_metadata entries).");
@@ -445,6 +452,7 @@ static PyMethodDef dcpx_methods[] = {
     {"md_index_bytes", dcpx_md_index_bytes, METH_VARARGS, md_index_bytes_doc},
     {"md_index_entries", dcpx_md_index_entries, METH_O, md_index_entries_doc},
     {"md_index_len", dcpx_md_index_len, METH_O, md_index_len_doc},
+    {"md_index_region", dcpx_md_index_region, METH_VARARGS, md_index_region_doc},
     {"read_plan_md", (PyCFunction)(void (*)(void))dcpx_read_plan_md,
      METH_VARARGS | METH_KEYWORDS, read_plan_md_doc},
     {"dump_metadata", (PyCFunction)(void (*)(void))dcpx_dump_metadata,

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
 
@@ -1330,13 +1331,55 @@ def _load_flat(flat: dict, mappings: dict, original: dict, reader: FileSystemRea
     return False
 
 
+def region_metadata(ck: _readplan.Checkpoint, flat: dict) -> Optional[Metadata]:
+    """What plan_reads needs of ``ck`` for this rank's part of ``flat``,
+    from the C decoder's tables: the entries of flat's keys, each tensor's
+    chunks only those that meet this rank's region, and their storage
+    entries.  At R ranks an FSDP key has R chunks: a rank makes Python
+    objects for the few it reads, not for every chunk of every key (issue
+    28 item 4).  None when ``ck`` has no tables or its Metadata is decoded
+    already: plan from ``ck.metadata``."""
+    if ck.index is None or ck.decoded:
+        return None
+    sdm: dict = {}
+    storage: dict = {}
+    for fqn, obj in flat.items():
+        region = None
+        if isinstance(obj, torch.Tensor):
+            try:
+                _, offsets, sizes = local_chunk(obj)
+                region = (tuple(offsets), tuple(sizes))
+            except Exception:  # noqa: BLE001 - plan_reads raises it, in its turn
+                region = None
+        got = ck.region(fqn, region)
+        if got is None:
+            continue
+        if not got:
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        dtype, size, chunks, infos = got
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), size, chunks)
+        for ch, info in zip(chunks, infos):
+            if info is not None:
+                storage[MetadataIndex(fqn, ch.offsets)] = info
+    return Metadata(state_dict_metadata=sdm, storage_data=storage)
+
+
 def plan_checked(reader: FileSystemReader, ck: _readplan.Checkpoint, flat: dict,
                  allow_partial_load: bool) -> tuple[list, list, list]:
-    """plan_reads from ``ck``, and the data files of its reads checked
+    """plan_reads from ``ck`` (from the C decoder's tables, for this rank's
+    region only: region_metadata), and the data files of its reads checked
     (each rank checks only the files it reads: _readplan.need_files).
     (reads, bytes keys, serial reads)."""
     serial: list = []
-    reads, byte_keys = plan_reads(reader, ck.metadata, flat, allow_partial_load, serial)
+    part = region_metadata(ck, flat)
+    reads, byte_keys = plan_reads(reader, ck.metadata if part is None else part, flat,
+                                  allow_partial_load, serial)
+    if part is not None and serial:
+        # saved chunks that overlap: torch's order of their reads follows
+        # every chunk of the key (_torch_ordered), so plan from them all
+        serial = []
+        reads, byte_keys = plan_reads(reader, ck.metadata, flat, allow_partial_load, serial)
     names = {r.info.relative_path for r in reads}
     names.update(r.info.relative_path for r in serial)
     if not _readplan.need_files(reader, ck, names):

@@ -54,7 +54,11 @@ from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
 from .. import _C
 from ..formats import entries as _entries, metadata as _metadata, safetensors as _st
@@ -145,6 +149,11 @@ class Checkpoint:
         return set(md.state_dict_metadata)
 
     @property
+    def decoded(self) -> bool:
+        """Whether the ``Metadata`` objects are held (decoded, or given)."""
+        return self._md is not None
+
+    @property
     def metadata(self) -> Metadata:
         md = self._md
         if md is None:  # the same bytes, checked when first cached
@@ -192,6 +201,18 @@ class Checkpoint:
             storage.update(self._by_file.get(name, {}))
         return Metadata(state_dict_metadata=self.metadata.state_dict_metadata,
                         storage_data=storage)
+
+    def region(self, fqn: str, region: Optional[tuple]) -> Any:
+        """Key ``fqn`` as one rank's plan needs it, from the C decoder's
+        tables (``_C.md_index_region``): None (no such key), () (a
+        non-tensor value), or (dtype, size, chunks, infos) with only the
+        saved chunks that meet ``region`` ((offsets, sizes); None: no
+        chunks).  Raises LookupError without tables, or once the
+        ``Metadata`` was decoded (plan from it then)."""
+        if self.index is None or self._md is not None:
+            raise LookupError("dcpx: no C tables to look a region up in")
+        return _C.md_index_region(self.index, fqn, region, ChunkStorageMetadata, torch.Size,
+                                  _StorageInfo)
 
     def byte_info(self) -> dict:
         """fqn -> storage info of every non-tensor value."""
@@ -435,12 +456,20 @@ def direct_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool,
     sdm = whole = md = info = obj = None
     need_files(reader, ck, list(files))  # (not the C tables': no turn to the general path)
     ck.release()
-    paths = [str(reader.path / p) for p in files]
+    paths = _paths(reader, files)
     capsule = _C.read_plan(paths, items, list(flat.values()), _TO_DLPACK, _PLAIN_TYPES)
     if capsule is None:  # e.g. CUDA or non-contiguous destinations: do not try again
         _no_direct(ck, key)
         return None
     return Plan(capsule, byte_keys)
+
+
+def _paths(reader, names) -> list:
+    """The data files' paths: names the metadata checks hold no separator
+    (md_index, _validate_storage), joined as ``str(reader.path / name)``
+    joins them, without a pathlib object per file (R of them at R ranks)."""
+    base = os.path.join(str(reader.path), "")
+    return [base + name for name in names]
 
 
 def _no_direct(ck: Checkpoint, key: tuple) -> None:
@@ -458,7 +487,7 @@ def _indexed_plan(reader, ck: Checkpoint, flat: dict, allow_partial_load: bool,
     checkpoint's load exports each tensor once, not twice); run_plan
     returns that run's failures."""
     names = ck.names
-    paths = [str(reader.path / p) for p in names]
+    paths = _paths(reader, names)
     got = _C.read_plan_md(ck.index, paths, list(flat), list(flat.values()), _TO_DLPACK,
                           _PLAIN_TYPES, allow_partial_load, threads=reader.thread_count,
                           verify=reader.verify,
