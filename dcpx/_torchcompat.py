@@ -169,6 +169,25 @@ def torch_kwargs(fn: Any, name: str, **kw: Any) -> dict:
     return out
 
 
+# torch 2.4-2.6: save() has no ``no_dist``.  A save with ``no_dist=True``
+# and a process group of this rank alone, which dcpx's single-process path
+# does not take (DTensors), goes on that group there (dcpx's coordinated
+# path, else torch's save): the same save, touching no other rank.  (On
+# later torch, no_dist=True goes on as it is.)
+def group_for_no_dist(fn: Any, no_dist: bool, group: Any) -> bool:
+    """Whether ``group``, a process group of this rank alone, stands for
+    ``no_dist=True`` because torch's ``fn`` lacks no_dist."""
+    import inspect
+
+    import torch.distributed as dist
+    if not no_dist or group is None or "no_dist" in inspect.signature(fn).parameters:
+        return False
+    try:
+        return dist.is_initialized() and dist.get_world_size(group) == 1
+    except (ValueError, RuntimeError):  # not a group torch knows
+        return False
+
+
 # torch 2.4-2.6: load() without torch.distributed in use takes the state
 # dict's keys in their own order (with it: the keys gathered from every
 # rank, sorted); later torch sorts them always (pytorch#145998, which also

@@ -265,6 +265,8 @@ def save(
             if planner is not None:  # set up as torch's save leaves it
                 _planner_state.after_save(planner, state_dict, metadata, True, False)
             return metadata
+        if _torchcompat.group_for_no_dist(_torch_save, no_dist, process_group):
+            no_dist = False  # torch 2.4-2.6: a group of this rank alone instead
         with paused_gc():
             sharded = dist_path_state(state_dict, writer, planner, no_dist)
         if sharded is not None:
