@@ -952,6 +952,17 @@ m = dcpx.CheckpointManager(os.path.join(work, "root"), local_root=os.path.join(w
 if scenario == "crash" and rank == 1:
     m._tiers._exchange = lambda *a, **k: time.sleep(60)  # alive, but never answers
 for step in (1, 2, 3):
+    if scenario == "localfail" and rank == 1 and step == 3:  # fails after save() returned
+        import errno, threading
+        from concurrent.futures import Future
+        def failing(*a, **k):
+            f = Future()
+            def later():
+                time.sleep(0.5)
+                f.set_exception(OSError(errno.EIO, "Input/output error"))
+            threading.Thread(target=later, daemon=True).start()
+            return f
+        dcpx.manager.tiers._async_save = failing
     m.save(step, {f"w{rank}": torch.arange(1000.0) + step})
 if scenario == "crash":
     if rank == 1:
@@ -1011,6 +1022,21 @@ def test_the_last_persisting_save_lands_when_a_script_ends_without_close(tmp_pat
     sd = {"w0": torch.zeros(1000), "w1": torch.zeros(1000)}
     dcpx.load(sd, checkpoint_id=step)
     assert sd["w0"].equal(torch.arange(1000.0) + 3) and sd["w1"].equal(torch.arange(1000.0) + 3)
+
+
+@pytest.mark.dist
+def test_a_last_local_save_failing_at_exit_still_takes_its_turns(tmp_path):
+    """Rank 1's asynchronous local save of step 3 fails after save()
+    returned, and the script returns: at exit rank 1 says so and still takes
+    its turns in step 3's rounds, so neither rank is torn down inside gloo
+    (both exit 0) and rank 0 is told why step 3 was not persisted (rank 1's
+    failure, not a lost connection)."""
+    out = _run_script(tmp_path, "localfail", (0, 1), 120)
+    assert out[0][0] == 0 and out[1][0] == 0, out
+    assert "the local save of step 3 failed" in out[1][2], out
+    assert "rank 1: its local save of step 3 failed" in out[0][2], out
+    assert "connection" not in out[0][2].lower(), out
+    assert not (tmp_path / "root" / "step-3" / ".metadata").exists(), out
 
 
 @pytest.mark.dist

@@ -817,12 +817,16 @@ class LocalTier:
     def wait_persisted(self) -> None:
         """Wait for the last local save, every queued replication and
         persistence and the deletions of old steps; raise what they found
-        for this rank."""
-        self._report_local(self._last)
-        self._repl.drain()
-        self._persist.drain()
-        for t in list(self._deleting):
-            t.join()
+        for this rank.  A failed local save is raised once the rounds are
+        done: this rank still takes its turns in them (at exit, a thread
+        left inside gloo would abort the process and cut the partners off)."""
+        try:
+            self._report_local(self._last)
+        finally:
+            self._repl.drain()
+            self._persist.drain()
+            for t in list(self._deleting):
+                t.join()
         self._raise_pending()
 
     def close(self) -> None:
