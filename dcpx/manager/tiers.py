@@ -733,15 +733,19 @@ class LocalTier:
         return names, max(e[1] for e in everyone)
 
     # ----------------------------------------------------------- helpers
-    def _solo(self) -> dict:
-        """The keyword that makes dcpx.save / load touch this rank alone:
-        nothing without a process group, else ``no_dist=True`` (or, where
-        torch lacks it and dcpx falls back to torch's save or load, a group
-        of this rank alone)."""
+    def _solo(self, save: bool = False) -> dict:
+        """The keywords that make dcpx.save / load touch this rank alone:
+        nothing without a process group, else ``no_dist=True``, or, where
+        torch lacks it, a group of this rank alone (with ``no_dist=True``
+        for a save: dcpx's single-process path then makes no
+        torch.distributed call, so an asynchronous save goes on after the
+        user destroyed the process group; a state dict that path does not
+        take, DTensors, goes on the group)."""
         if not self.dist:
             return {}
         if self.g_self is not None:
-            return {"process_group": self.g_self}
+            return {"no_dist": True, "process_group": self.g_self} if save else \
+                {"process_group": self.g_self}
         return {"no_dist": True}
 
     def scan(self) -> list:
@@ -967,10 +971,10 @@ class LocalTier:
                 self._check_space()
                 os.makedirs(piece, exist_ok=True)
                 if mode is None:
-                    result = _save(state_dict, checkpoint_id=piece, **self._solo())
+                    result = _save(state_dict, checkpoint_id=piece, **self._solo(save=True))
                     upload.set_result(result)
                 else:
-                    result = _async_save(state_dict, checkpoint_id=piece, **self._solo(),
+                    result = _async_save(state_dict, checkpoint_id=piece, **self._solo(save=True),
                                          async_checkpointer_type=mode, async_stager=stager)
                     upload = getattr(result, "upload_completion", result)
             except BaseException as e:  # noqa: BLE001 - raised below
