@@ -82,6 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", type=int, nargs="+", default=[10000, 40000, 160000])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--load", action="store_true", help="also a whole dcpx.load and dcp.load")
+    p.add_argument("--index-only", action="store_true",
+                   help="time the C decoder (_metadata.index) alone: no unpickling")
     p.add_argument("--out", help="also write the table (markdown) to this file")
     args = p.parse_args(argv)
     rows = []
@@ -90,8 +92,10 @@ def main(argv=None) -> int:
             ck = Path(tmp) / f"ck{n}"
             make(ck, n)
             raw = (ck / _metadata.METADATA_FN).read_bytes()
-            t_torch = timed(lambda: pickle.loads(raw), args.repeat)
-            t_dcpx = timed(lambda: _metadata.loads(raw, str(ck)), args.repeat)
+            t_torch = t_dcpx = None
+            if not args.index_only:
+                t_torch = timed(lambda: pickle.loads(raw), args.repeat)
+                t_dcpx = timed(lambda: _metadata.loads(raw, str(ck)), args.repeat)
             t_index = timed(lambda: _metadata.index(raw, str(ck)), args.repeat)
             row = {"chunks": n, "bytes": len(raw), "torch_unpickle": t_torch,
                    "dcpx_decode": t_dcpx, "dcpx_index": t_index}
@@ -107,15 +111,16 @@ def main(argv=None) -> int:
     if args.load:
         cols += ["dcpx_load"]
     lines = ["| " + " | ".join(cols) + " | (per chunk: torch unpickle / dcpx decode"
-             + (" / dcpx load" if args.load else "") + ") |",
+             + (" / dcpx load" if args.load else "") + " / dcpx index) |",
              "|" + "---|" * (len(cols) + 1)]
     for r in rows:
         n = r["chunks"]
         per = [r["torch_unpickle"], r["dcpx_decode"]] + (
-            [r["dcpx_load"]] if args.load else [])
-        lines.append("| " + " | ".join(f"{r[c]:.3f} s" if isinstance(r[c], float) else str(r[c])
-                                      for c in cols)
-                     + " | " + " / ".join(f"{t / n * 1e6:.1f} us" for t in per) + " |")
+            [r["dcpx_load"]] if args.load else []) + [r["dcpx_index"]]
+        lines.append("| " + " | ".join(f"{r[c]:.3f} s" if isinstance(r[c], float)
+                                      else "-" if r[c] is None else str(r[c]) for c in cols)
+                     + " | " + " / ".join("-" if t is None else f"{t / n * 1e6:.2f} us"
+                                          for t in per) + " |")
     text = "\n".join(lines)
     print(text)
     if args.out:

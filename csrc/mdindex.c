@@ -641,6 +641,8 @@ typedef struct {
     Py_ssize_t whole;        /* storage entry of its whole single chunk */
     Py_ssize_t chunk_at;     /* its chunks: ch[chunk_at .. + nchunks] */
     uint32_t nchunks;
+    uint32_t next_link;      /* build: the chunk its next storage entry
+                              * likely belongs to (both lists in rank order) */
 } mentry;
 
 /* A tensor's saved chunk: offsets and sizes (its entry's ndim of them)
@@ -948,8 +950,27 @@ static int seen_insert(const dcpx_mdindex *ix, Py_ssize_t *seen, size_t size, Py
     return 0;
 }
 
+/* Storage entry k of key entry e, when it belongs to the key's chunk
+ * after the last one linked (torch and dcpx list both a key's chunks and
+ * its storage entries in the order of the ranks that saved them): linked
+ * without a hash lookup. */
+static void link_next(dcpx_mdindex *ix, Py_ssize_t e, Py_ssize_t k)
+{
+    mentry *me = &ix->e[e];
+    const mstore *se = &ix->st[k];
+    if (me->kind != DCPX_MD_TENSOR || se->off_ndim != me->ndim || me->next_link >= me->nchunks)
+        return;
+    mchunk *c = &ix->ch[me->chunk_at + me->next_link];
+    if (me->ndim == 0 || memcmp(ix->dims + c->off_at, ix->dims + se->off_at,
+                                sizeof(int64_t) * (size_t)me->ndim) == 0) {
+        c->store = k;
+        me->next_link++;
+    }
+}
+
 /* Each tensor's chunks linked to their storage entries: the one keyed
- * (fqn, the chunk's offsets), as plan_reads looks it up. */
+ * (fqn, the chunk's offsets), as plan_reads looks it up (those link_next
+ * did not link, by the hash over every entry). */
 static void link_chunks(dcpx_mdindex *ix, const Py_ssize_t *seen, size_t size)
 {
     for (Py_ssize_t e = 0; seen != NULL && e < ix->ne; e++) {
@@ -958,6 +979,8 @@ static void link_chunks(dcpx_mdindex *ix, const Py_ssize_t *seen, size_t size)
             continue;
         for (uint32_t j = 0; j < me->nchunks; j++) {
             mchunk *c = &ix->ch[me->chunk_at + j];
+            if (c->store >= 0)
+                continue;
             uint64_t h = store_hash(ix, me->fqn_off, me->fqn_len, me->ndim, c->off_at);
             for (size_t b = (size_t)h & (size - 1); seen[b] >= 0; b = (b + 1) & (size - 1)) {
                 const mstore *o = &ix->st[seen[b]];
@@ -1121,6 +1144,8 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
             }
             if ((rc = seen_insert(ix, seen, ssize, ns)) < 0)
                 break;
+            if (e >= 0)
+                link_next(ix, e, ns);
             /* whole_chunks: the entry whose offset is its chunk's (all
              * zeros; not None, even for a 0-d tensor: torch and plan_reads
              * look the chunk up by its offsets, torch.Size([]), which an

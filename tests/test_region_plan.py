@@ -80,6 +80,12 @@ def _random_metadata(rng: random.Random) -> Metadata:
                                          torch.Size(size), chunks)
     sdm["step"] = BytesStorageMetadata()
     storage[MetadataIndex("step")] = _StorageInfo("__0_0.distcp", pos, 7)
+    if rng.random() < 0.5:
+        # storage entries in another order than the chunks (the decoder
+        # links those by its hash, the rest as they come)
+        items = list(storage.items())
+        rng.shuffle(items)
+        storage = dict(items)
     return Metadata(state_dict_metadata=sdm, storage_data=storage)
 
 
