@@ -1003,7 +1003,7 @@ static int build(vm *m, dcpx_mdindex *ix, uint32_t top)
     static const char *const snames[] = {"relative_path", "offset", "length",
                                          "transform_descriptors"};
     int32_t f[5];
-    int rc;
+    int rc = 0;
     const val *md = &m->v[top];
     if (md->tag != V_OBJ || md->kind != G_METADATA || !md->frozen ||
         fields(m, md, mnames, 5, f, (uint32_t *)m->nc_md) < 0 || f[0] < 0 || f[2] < 0)
