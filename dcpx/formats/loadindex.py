@@ -1,0 +1,919 @@
+"""The load index: a file beside ``.metadata`` (``.metadata.index``, which
+torch never reads) from which one rank finds the saved chunks of the keys it
+loads without reading or decoding the whole ``.metadata`` (issue 28 item 4;
+layout: docs/format.md, "The load index").
+
+At R ranks an FSDP key is saved in R chunks, and ``.metadata`` holds every
+chunk of every key: 14 MB at 16,384 ranks x 6 tensors, read and decoded by
+every rank.  With the index a rank reads a few 4 KiB blocks per key (the
+key's row, found by bisection over the key table; the key's fence of chunk
+starts; the leaf of rows that meets its region) and does work in (its keys)
+x log(chunks per key).
+
+``build_body(metadata)`` makes the body on rank 0 at commit (None when the
+metadata holds anything the index cannot represent exactly: then no index
+is written), ``header(body, md_crc, md_len)`` the 64 bytes before it that
+name the ``.metadata`` it was made for by that file's trailer, and
+``LoadIndex.open(directory)`` reads it: ``region(fqn, region)`` answers what
+``_C.md_index_region`` answers from the decoded tables.
+
+Everything read is checked before it is used: the header by its CRC-32 and
+the ``.metadata`` trailer, each key row, fence entry, dtype and file row by
+its own CRC-32, each leaf of chunk rows (at most 4 KiB) by the CRC-32 its
+fence entry holds, names by theirs; every offset and length against the
+file's size; chunks inside their tensor, extents not negative, file names
+plain, dtypes from an allow-list.  A problem found raises
+``LoadIndexCorrupt`` naming the file (the caller plans from ``.metadata``
+instead); a crafted index that passes every check can describe another
+checkpoint than ``.metadata`` does, but cannot make a load read outside the
+checkpoint's data files (names and extents are checked as ``.metadata``'s
+are), allocate more than the file's size, or loop longer than its rows.
+"""
+from __future__ import annotations
+
+import bisect
+import collections
+import hashlib
+import itertools
+import math
+import operator
+import os
+import stat
+import struct
+import sys
+from array import array
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    TensorStorageMetadata,
+)
+
+from .. import _C
+from .files import METADATA_FN
+
+#: the index's file name, beside ``.metadata`` (no name DCP uses)
+INDEX_FN = METADATA_FN + ".index"
+
+_MAGIC = b"DCPXLI1\0"
+_BODY_MAGIC = b"DCPXLIB\0"
+_VERSION = 1
+_MD_MAGIC = b"DCPXMD1\0"           # the .metadata trailer (formats.metadata)
+_MD_TRAILER = struct.Struct("<8sIQ")
+
+# header: magic, version, md_crc, md_len, body_len, body_crc, nkeys,
+# ndtypes, nfiles, nbytes, two reserved words (0); then its own CRC-32
+_HDR = struct.Struct("<8sIIQQIIIIIII")
+HEADER_LEN = _HDR.size + 4          # 64
+# body head: magic, nkeys, ndtypes, nfiles, nbytes, reserved (0), CRC-32
+_HEAD = struct.Struct("<8sIIIII")
+_HEAD_LEN = _HEAD.size + 4          # 32
+# key row: hash64(fqn), name_off, name_len, name_crc, kind, ndim, dtype,
+# nchunks, area_off, file, offset, length; then its CRC-32
+_KEY = struct.Struct("<QQIIBBHIQIQQ")
+_KEY_W = _KEY.size + 4              # 64
+_KEY_LEAF = 64                      # key rows per key fence entry
+_KFENCE = struct.Struct("<Q")       # hash of the leaf's first row; CRC-32
+_KFENCE_W = 12
+_DTYPE_NAME_LEN = 28
+_DTYPE_W = _DTYPE_NAME_LEN + 4      # name (NUL-padded), CRC-32
+_FILE = struct.Struct("<QII")       # name_off, name_len, name_crc
+_FILE_W = _FILE.size + 8            # + reserved (0), CRC-32
+_BYTES_W = 8                        # key ordinal, CRC-32
+_CFENCE = struct.Struct("<qI")      # first start of the leaf, the leaf's CRC
+_CFENCE_W = _CFENCE.size + 4        # + the entry's CRC-32
+_U32 = struct.Struct("<I")
+_II = struct.Struct("<II")
+
+_TENSOR, _BYTES = 1, 2
+_NO_FILE = -1
+_MAX_DIMS = 64
+_BLOCK = 4096
+_LEAF_BYTES = 4096
+_I64_MAX = (1 << 63) - 1
+_I64_MIN = -(1 << 63)
+
+_crc32 = _C.crc32
+
+
+def _dtype_table() -> tuple:
+    """({name: dtype}, {dtype: name}) over torch's dtypes, by their
+    canonical names (``str(torch.float) == "torch.float32"``): a name read
+    from an index is looked up here, never passed to getattr."""
+    by_name: dict = {}
+    for attr in dir(torch):
+        obj = getattr(torch, attr, None)
+        if isinstance(obj, torch.dtype):
+            name = str(obj)
+            if name.startswith("torch."):
+                name = name[6:]
+            if name.isascii() and 0 < len(name) <= _DTYPE_NAME_LEN:
+                by_name[name] = obj
+    return by_name, {d: n for n, d in by_name.items()}
+
+
+_DTYPES, _DTYPE_NAMES = _dtype_table()
+
+
+def _name_ok(name: str) -> bool:
+    """A data file name as dcpx checks one: plain, inside the directory."""
+    return (bool(name) and "/" not in name and "\\" not in name and "\0" not in name
+            and name not in (".", ".."))
+
+
+def _hash64(name: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "little")
+
+
+def _row_width(nd: int) -> int:
+    """A chunk row: offsets, sizes, the running max of ends along dim 0,
+    the position in the key's chunk list, file (-1: no storage entry),
+    offset, length; all int64."""
+    return 8 * (2 * nd + 5)
+
+
+def _leaf_rows(width: int) -> int:
+    return max(1, _LEAF_BYTES // width)
+
+
+def _fixed_end(nkeys: int, ndtypes: int, nfiles: int, nbytes: int) -> int:
+    """Where the fixed tables end (body offset): the tensor areas and the
+    names follow."""
+    nkf = -(-nkeys // _KEY_LEAF)
+    return (_HEAD_LEN + _KEY_W * nkeys + _KFENCE_W * nkf + _DTYPE_W * ndtypes
+            + _FILE_W * nfiles + _BYTES_W * nbytes)
+
+
+# --- building -----------------------------------------------------------------
+
+class _Unrepresentable(Exception):
+    pass
+
+
+_OFFSETS = operator.attrgetter("offsets")
+_SIZES = operator.attrgetter("sizes")
+_FQN = operator.attrgetter("fqn")
+_OFFSET = operator.attrgetter("offset")
+
+
+class _Storage:
+    """``storage_data`` as columns: (fqn, offset) -> entry number, and per
+    entry its file number, offset and length (entry -1: the sentinel of a
+    chunk without an entry)."""
+
+    def __init__(self, storage_data: dict) -> None:
+        keys = list(storage_data)
+        infos = list(storage_data.values())
+        n = len(infos)
+        tds = list(map(getattr, infos, itertools.repeat("transform_descriptors"),
+                       itertools.repeat(None)))
+        if tds.count(None) != n:
+            raise _Unrepresentable("a storage entry with transform descriptors")
+        paths = list(map(getattr, infos, itertools.repeat("relative_path")))
+        names = dict.fromkeys(paths)
+        for name in names:
+            if type(name) is not str or not _name_ok(name):
+                raise _Unrepresentable(f"data file name {name!r}")
+        self.files = list(names)
+        number = {name: i for i, name in enumerate(self.files)}
+        self.file = array("q", map(number.__getitem__, paths))
+        self.offset = array("q", map(getattr, infos, itertools.repeat("offset")))
+        self.length = array("q", map(getattr, infos, itertools.repeat("length")))
+        if n and (min(self.offset) < 0 or min(self.length) < 0):
+            raise _Unrepresentable("a negative storage offset or length")
+        for col, fill in ((self.file, _NO_FILE), (self.offset, 0), (self.length, 0)):
+            col.append(fill)
+        self.fqns = list(map(_FQN, keys))
+        self.entries = dict(zip(zip(self.fqns, map(_OFFSET, keys)), range(n)))
+        if len(self.entries) != n:
+            raise _Unrepresentable("storage entries with one (fqn, offset)")
+
+
+class _Key:
+    __slots__ = ("name_str", "name", "hash", "kind", "ndim", "dtype", "nchunks", "area", "file",
+                 "offset", "length")
+
+
+def _tensor_area(key: _Key, m: TensorStorageMetadata, st: _Storage, ordinal_seed: int) -> bytes:
+    """The key's area: its size (+CRC), its fence (one entry per leaf of
+    rows) and its rows, sorted by offsets[0] (stably)."""
+    size = tuple(m.size)
+    nd = len(size)
+    if nd > _MAX_DIMS:
+        raise _Unrepresentable("more than 64 dimensions")
+    if any(type(s) is not int or s < 0 for s in size) or math.prod(size) >= 1 << 64:
+        raise _Unrepresentable("a tensor size")
+    chunks = m.chunks
+    n = len(chunks)
+    offs = list(map(_OFFSETS, chunks))
+    szs = list(map(_SIZES, chunks))
+    if n and not set(map(len, offs)) | set(map(len, szs)) <= {nd}:
+        raise _Unrepresentable("a chunk of another number of dimensions")
+    fqn = key.name_str
+    idx = list(map(st.entries.pop, zip(itertools.repeat(fqn, n), offs),
+                   itertools.repeat(-1, n)))
+    if -1 in idx and len(set(offs)) != n:
+        raise _Unrepresentable("two chunks at one offset")
+    flat_off = array("q", itertools.chain.from_iterable(offs))
+    flat_sz = array("q", itertools.chain.from_iterable(szs))
+    if n and nd:
+        if min(flat_off) < 0 or min(flat_sz) < 0:
+            raise _Unrepresentable("a negative chunk offset or size")
+        for d in range(nd):
+            if max(map(operator.add, flat_off[d::nd], flat_sz[d::nd])) > size[d]:
+                raise _Unrepresentable("a chunk outside its tensor")
+    k = 2 * nd + 5
+    if nd:
+        starts = flat_off[0::nd]
+        sorted_already = not any(map(operator.gt, starts, itertools.islice(starts, 1, None)))
+        order = None if sorted_already else sorted(range(n), key=starts.__getitem__)
+    else:
+        starts, order = array("q", bytes(8 * n)), None
+    cols = [flat_off[d::nd] for d in range(nd)] + [flat_sz[d::nd] for d in range(nd)]
+    if order is not None:
+        cols = [array("q", map(c.__getitem__, order)) for c in cols]
+        pos = array("q", order)
+        idx = list(map(idx.__getitem__, order))
+    else:
+        pos = array("q", range(n))
+    if nd:
+        maxend = array("q", itertools.accumulate(map(operator.add, cols[0], cols[nd]), max))
+        starts = cols[0]
+    else:
+        maxend = array("q", bytes(8 * n))
+    rows = array("q", bytes(8 * n * k))
+    for j, c in enumerate(cols):
+        rows[j::k] = c
+    rows[2 * nd::k] = maxend
+    rows[2 * nd + 1::k] = pos
+    rows[2 * nd + 2::k] = array("q", map(st.file.__getitem__, idx))
+    rows[2 * nd + 3::k] = array("q", map(st.offset.__getitem__, idx))
+    rows[2 * nd + 4::k] = array("q", map(st.length.__getitem__, idx))
+    if sys.byteorder != "little":
+        rows.byteswap()
+    data = rows.tobytes()
+    mv = memoryview(data)
+    width = 8 * k
+    per = _leaf_rows(width)
+    step = per * width
+    nleaves = -(-n // per)
+    fence = bytearray(_CFENCE_W * nleaves)
+    for leaf in range(nleaves):
+        a = leaf * step
+        _CFENCE.pack_into(fence, leaf * _CFENCE_W, starts[leaf * per], _crc32(mv[a:a + step]))
+        at = leaf * _CFENCE_W
+        _U32.pack_into(fence, at + 12, _crc32(memoryview(fence)[at:at + 12],
+                                                _crc32(_II.pack(ordinal_seed, leaf))))
+    size_rec = struct.pack(f"<{nd}q", *size)
+    key.ndim = nd
+    key.nchunks = n
+    return b"".join((size_rec, _U32.pack(_crc32(size_rec, ordinal_seed)), fence, data))
+
+
+def build_body(metadata: Any) -> Optional[bytes]:
+    """The index body of ``metadata`` (a torch ``Metadata``), or None when
+    it holds anything the index cannot represent exactly (a storage entry
+    with transform descriptors, or whose key is not in
+    ``state_dict_metadata``, or that no chunk has; a tensor of more than
+    64 dimensions, of a dtype not torch's, with a chunk outside it or two
+    chunks at one offset; a non-tensor value without exactly one storage
+    entry; a value of another kind): the caller then writes no index."""
+    try:
+        return _build(metadata)
+    except (_Unrepresentable, TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
+def _build(metadata: Any) -> bytes:
+    sdm = metadata.state_dict_metadata
+    st = _Storage(metadata.storage_data)
+    if not all(map(sdm.__contains__, st.fqns)):
+        raise _Unrepresentable("a storage entry of no key")
+    keys: list = []
+    for fqn in sdm:
+        if type(fqn) is not str:
+            raise _Unrepresentable("a key that is not a str")
+        key = _Key()
+        key.name_str = fqn
+        key.name = fqn.encode("utf-8")
+        key.hash = _hash64(key.name)
+        keys.append(key)
+    keys.sort(key=lambda k: (k.hash, k.name))
+    dtypes: dict = {}
+    areas: list = []
+    area_len = 0
+    nbytes = 0
+    for ordinal, key in enumerate(keys):
+        m = sdm[key.name_str]
+        key.ndim = key.nchunks = key.area = key.file = key.offset = key.length = 0
+        key.dtype = 0
+        if type(m) is BytesStorageMetadata:
+            e = st.entries.pop((key.name_str, None), -1)
+            if e < 0:
+                raise _Unrepresentable("a non-tensor value without its storage entry")
+            key.kind = _BYTES
+            key.file, key.offset, key.length = st.file[e], st.offset[e], st.length[e]
+            nbytes += 1
+        elif type(m) is TensorStorageMetadata:
+            name = _DTYPE_NAMES.get(getattr(m.properties, "dtype", None))
+            if name is None:
+                raise _Unrepresentable("a dtype not torch's")
+            key.kind = _TENSOR
+            key.dtype = dtypes.setdefault(name, len(dtypes))
+            area = _tensor_area(key, m, st, ordinal)
+            key.area = area_len          # relative: placed below
+            areas.append(area)
+            area_len += len(area)
+        else:
+            raise _Unrepresentable(f"a value of type {type(m).__name__}")
+    if st.entries:
+        raise _Unrepresentable("a storage entry that no chunk has")
+    if len(dtypes) > 0xFFFF or len(keys) >= 1 << 32 or len(st.files) >= 1 << 32:
+        raise _Unrepresentable("too many keys, dtypes or files")
+    return _assemble(keys, list(dtypes), st.files, nbytes, areas, area_len)
+
+
+def _assemble(keys: list, dtypes: list, files: list, nbytes: int, areas: list,
+              area_len: int) -> bytes:
+    nkeys = len(keys)
+    areas_at = _fixed_end(nkeys, len(dtypes), len(files), nbytes)
+    heap_at = areas_at + area_len
+    heap: list = []
+    heap_len = 0
+    key_rows = bytearray(_KEY_W * nkeys)
+    byte_rows = bytearray()
+    for i, key in enumerate(keys):
+        name_off = heap_at + heap_len
+        heap.append(key.name)
+        heap_len += len(key.name)
+        area = areas_at + key.area if key.kind == _TENSOR else 0
+        at = i * _KEY_W
+        _KEY.pack_into(key_rows, at, key.hash, name_off, len(key.name), _crc32(key.name),
+                       key.kind, key.ndim, key.dtype, key.nchunks, area, max(key.file, 0),
+                       key.offset, key.length)
+        _U32.pack_into(key_rows, at + _KEY.size,
+                       _crc32(memoryview(key_rows)[at:at + _KEY.size], i))
+        if key.kind == _BYTES:
+            byte_rows += _U32.pack(i) + _U32.pack(_crc32(_U32.pack(i), len(byte_rows) // _BYTES_W))
+    kfence = bytearray()
+    for leaf in range(-(-nkeys // _KEY_LEAF)):
+        entry = _KFENCE.pack(keys[leaf * _KEY_LEAF].hash)
+        kfence += entry + _U32.pack(_crc32(entry, leaf))
+    dtype_rows = bytearray()
+    for i, name in enumerate(dtypes):
+        raw = name.encode("ascii").ljust(_DTYPE_NAME_LEN, b"\0")
+        dtype_rows += raw + _U32.pack(_crc32(raw, i))
+    file_rows = bytearray()
+    for i, name in enumerate(files):
+        raw = name.encode("utf-8")
+        row = _FILE.pack(heap_at + heap_len, len(raw), _crc32(raw)) + _U32.pack(0)
+        file_rows += row + _U32.pack(_crc32(row, i))
+        heap.append(raw)
+        heap_len += len(raw)
+    head = _HEAD.pack(_BODY_MAGIC, nkeys, len(dtypes), len(files), nbytes, 0)
+    return b"".join([head, _U32.pack(_crc32(head)), key_rows, kfence, dtype_rows, file_rows,
+                     byte_rows] + areas + heap)
+
+
+def header(body: bytes, md_crc: int, md_len: int) -> bytes:
+    """The 64 bytes before ``body`` in the file: the index is for the
+    ``.metadata`` whose trailer holds (md_crc, md_len)."""
+    if len(body) < _HEAD_LEN:
+        raise ValueError("dcpx: not a load index body")
+    magic, nkeys, ndtypes, nfiles, nbytes, _ = _HEAD.unpack_from(body)
+    (crc,) = _U32.unpack_from(body, _HEAD.size)
+    if magic != _BODY_MAGIC or crc != _crc32(memoryview(body)[:_HEAD.size]):
+        raise ValueError("dcpx: not a load index body")
+    hdr = _HDR.pack(_MAGIC, _VERSION, md_crc, md_len, len(body), _crc32(body), nkeys, ndtypes,
+                    nfiles, nbytes, 0, 0)
+    return hdr + _U32.pack(_crc32(hdr))
+
+
+# --- reading ------------------------------------------------------------------
+
+class LoadIndexCorrupt(ValueError):
+    """The load index is damaged (or crafted) where a lookup read it: plan
+    from ``.metadata`` instead."""
+
+
+class _Blocks:
+    """The file read with pread through a small cache of 4 KiB blocks,
+    counting the bytes read."""
+
+    __slots__ = ("fd", "size", "path", "cache", "bytes_read")
+
+    _KEEP = 256     # blocks kept (1 MiB)
+
+    def __init__(self, fd: int, size: int, path: str) -> None:
+        self.fd = fd
+        self.size = size
+        self.path = path
+        self.cache: collections.OrderedDict = collections.OrderedDict()
+        self.bytes_read = 0
+
+    def read(self, off: int, n: int) -> bytes:
+        if off < 0 or n < 0 or off + n > self.size:
+            raise LoadIndexCorrupt(f"{self.path}: a read outside the file ({off}, {n})")
+        if n == 0:
+            return b""
+        first, last = off // _BLOCK, (off + n - 1) // _BLOCK
+        if first == last:
+            b = self._blocks(first, first)[0]
+            at = off - first * _BLOCK
+            return b[at:at + n]
+        data = b"".join(self._blocks(first, last))
+        at = off - first * _BLOCK
+        return data[at:at + n]
+
+    def _blocks(self, first: int, last: int) -> list:
+        cache = self.cache
+        out = []
+        b = first
+        while b <= last:
+            got = cache.get(b)
+            if got is not None:
+                cache.move_to_end(b)
+                out.append(got)
+                b += 1
+                continue
+            end = b
+            while end < last and (end + 1) not in cache:
+                end += 1
+            start = b * _BLOCK
+            want = min((end + 1) * _BLOCK, self.size) - start
+            try:
+                data = os.pread(self.fd, want, start)
+            except OSError as e:
+                raise LoadIndexCorrupt(f"{self.path}: cannot read: {e}") from None
+            self.bytes_read += len(data)
+            if len(data) != want:
+                raise LoadIndexCorrupt(f"{self.path}: the file shrank")
+            for i in range(b, end + 1):
+                blk = data[(i - b) * _BLOCK:(i - b + 1) * _BLOCK]
+                cache[i] = blk
+                out.append(blk)
+            while len(cache) > self._KEEP:
+                cache.popitem(last=False)
+            b = end + 1
+        return out
+
+
+def _open_regular(name: str, dir_fd: int) -> Optional[tuple]:
+    """(fd, size) of the regular file ``name`` in ``dir_fd`` (no link
+    followed, no FIFO waited on); None when it is not one."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(name, flags, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _md_trailer(dir_fd: int) -> Optional[tuple]:
+    """(crc, len) of ``.metadata``'s dcpx trailer; None without one.
+    FileNotFoundError when there is no ``.metadata``."""
+    got = _open_regular(METADATA_FN, dir_fd)
+    if got is None:
+        return None
+    fd, size = got
+    try:
+        if size < _MD_TRAILER.size:
+            return None
+        tail = os.pread(fd, _MD_TRAILER.size, size - _MD_TRAILER.size)
+    finally:
+        os.close(fd)
+    if len(tail) != _MD_TRAILER.size:
+        return None
+    magic, crc, n = _MD_TRAILER.unpack(tail)
+    if magic != _MD_MAGIC or n != size - _MD_TRAILER.size:
+        return None
+    return crc, n
+
+
+class LoadIndex:
+    """An open load index (``LoadIndex.open``)."""
+
+    def __init__(self, blocks: _Blocks, nkeys: int, ndtypes: int, nfiles: int,
+                 nbytes: int, body_len: int) -> None:
+        self._b = blocks
+        self.path = blocks.path
+        self.nkeys = nkeys
+        self.ndtypes = ndtypes
+        self.nfiles = nfiles
+        self.nbytes = nbytes
+        self.body_len = body_len
+        self._keys_at = _HEAD_LEN
+        self._nkf = -(-nkeys // _KEY_LEAF)
+        self._kfence_at = self._keys_at + _KEY_W * nkeys
+        self._dtypes_at = self._kfence_at + _KFENCE_W * self._nkf
+        self._files_at = self._dtypes_at + _DTYPE_W * ndtypes
+        self._bytes_at = self._files_at + _FILE_W * nfiles
+        self._fixed_end = self._bytes_at + _BYTES_W * nbytes
+        self._file_names: dict = {}
+        self._dtype_objs: dict = {}
+
+    # -- opening
+
+    @classmethod
+    def open(cls, directory: Any) -> Optional["LoadIndex"]:
+        """The index in ``directory``, or None when there is none, it is not
+        for the ``.metadata`` there (by that file's trailer; a ``.metadata``
+        without one never matches) or its header is malformed.
+        FileNotFoundError when the directory or its ``.metadata`` is
+        missing."""
+        dfd = os.open(os.fspath(directory), os.O_RDONLY | os.O_DIRECTORY
+                      | getattr(os, "O_CLOEXEC", 0))
+        try:
+            try:
+                got = _open_regular(INDEX_FN, dfd)
+            except OSError:
+                return None
+            if got is None:
+                return None
+            fd, size = got
+            keep = False
+            try:
+                path = os.path.join(os.fspath(directory), INDEX_FN)
+                hdr = cls._header(fd, size)
+                if hdr is None:
+                    return None
+                md_crc, md_len, body_len, nkeys, ndtypes, nfiles, nbytes = hdr
+                try:
+                    trailer = _md_trailer(dfd)
+                except FileNotFoundError:
+                    raise
+                except OSError:      # not a file dcpx reads: the load says why
+                    return None
+                if trailer != (md_crc, md_len):
+                    return None
+                keep = True
+                return cls(_Blocks(fd, size, path), nkeys, ndtypes, nfiles, nbytes, body_len)
+            finally:
+                if not keep:
+                    os.close(fd)
+        finally:
+            os.close(dfd)
+
+    @staticmethod
+    def _header(fd: int, size: int) -> Optional[tuple]:
+        if size < HEADER_LEN:
+            return None
+        try:
+            raw = os.pread(fd, HEADER_LEN, 0)
+        except OSError:
+            return None
+        if len(raw) != HEADER_LEN:
+            return None
+        (magic, version, md_crc, md_len, body_len, _body_crc, nkeys, ndtypes, nfiles, nbytes,
+         r0, r1) = _HDR.unpack_from(raw)
+        (crc,) = _U32.unpack_from(raw, _HDR.size)
+        if (magic != _MAGIC or version != _VERSION or crc != _crc32(raw[:_HDR.size])
+                or r0 or r1 or body_len != size - HEADER_LEN or nbytes > nkeys
+                or _fixed_end(nkeys, ndtypes, nfiles, nbytes) > body_len):
+            return None
+        return md_crc, md_len, body_len, nkeys, ndtypes, nfiles, nbytes
+
+    def close(self) -> None:
+        fd, self._b.fd = self._b.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> "LoadIndex":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        b = getattr(self, "_b", None)
+        if b is not None and b.fd >= 0:
+            self.close()
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the index file so far."""
+        return self._b.bytes_read
+
+    # -- checked reads
+
+    def _bad(self, what: str) -> LoadIndexCorrupt:
+        return LoadIndexCorrupt(f"{self.path}: load index corrupt: {what}")
+
+    def _body(self, off: int, n: int) -> bytes:
+        if off < 0 or n < 0 or off + n > self.body_len:
+            raise self._bad(f"a reference outside the body ({off}, {n})")
+        return self._b.read(HEADER_LEN + off, n)
+
+    def _name(self, off: int, n: int, crc: int) -> bytes:
+        raw = self._body(off, n)
+        if _crc32(raw) != crc:
+            raise self._bad("a name's CRC")
+        return raw
+
+    def _key_row(self, i: int) -> tuple:
+        """Key row i, checked: (hash, name_off, name_len, name_crc, kind,
+        ndim, dtype, nchunks, area_off, file, offset, length)."""
+        if not 0 <= i < self.nkeys:
+            raise self._bad(f"key {i}")
+        raw = self._body(self._keys_at + _KEY_W * i, _KEY_W)
+        if _crc32(raw[:_KEY.size], i) != _U32.unpack_from(raw, _KEY.size)[0]:
+            raise self._bad(f"key row {i}'s CRC")
+        row = _KEY.unpack_from(raw)
+        (_h, name_off, name_len, _nc, kind, nd, dtype, n, area, f, off, length) = row
+        if name_off + name_len > self.body_len:
+            raise self._bad(f"key row {i}'s name")
+        if kind == _TENSOR:
+            if nd > _MAX_DIMS or dtype >= self.ndtypes or area < self._fixed_end:
+                raise self._bad(f"key row {i}")
+            w = _row_width(nd)
+            end = area + 8 * nd + 4 + _CFENCE_W * -(-n // _leaf_rows(w)) + w * n
+            if end > self.body_len:
+                raise self._bad(f"key row {i}'s chunks")
+        elif kind == _BYTES:
+            if f >= self.nfiles or off > _I64_MAX or length > _I64_MAX:
+                raise self._bad(f"key row {i}")
+        else:
+            raise self._bad(f"key row {i}'s kind")
+        return row
+
+    def _key_hash(self, leaf: int) -> int:
+        raw = self._body(self._kfence_at + _KFENCE_W * leaf, _KFENCE_W)
+        if _crc32(raw[:8], leaf) != _U32.unpack_from(raw, 8)[0]:
+            raise self._bad(f"key fence entry {leaf}'s CRC")
+        return _KFENCE.unpack_from(raw)[0]
+
+    def _find(self, fqn: str) -> Optional[tuple]:
+        """(ordinal, row) of key fqn; None when there is none."""
+        name = fqn.encode("utf-8")
+        h = _hash64(name)
+        # the leaf whose first hash is the last one < h, then its rows
+        lo, hi = 0, self._nkf
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._key_hash(mid) < h:
+                lo = mid + 1
+            else:
+                hi = mid
+        leaf = lo - 1
+        if leaf < 0:
+            i = 0
+        else:
+            lo = leaf * _KEY_LEAF
+            hi = min(lo + _KEY_LEAF, self.nkeys)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self._key_row(mid)[0] < h:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            i = lo
+        while i < self.nkeys:
+            row = self._key_row(i)
+            if row[0] != h:
+                return None
+            if row[2] == len(name) and self._name(row[1], row[2], row[3]) == name:
+                return i, row
+            i += 1
+        return None
+
+    def _dtype(self, i: int) -> torch.dtype:
+        d = self._dtype_objs.get(i)
+        if d is None:
+            raw = self._body(self._dtypes_at + _DTYPE_W * i, _DTYPE_W)
+            if _crc32(raw[:_DTYPE_NAME_LEN], i) != _U32.unpack_from(raw, _DTYPE_NAME_LEN)[0]:
+                raise self._bad(f"dtype {i}'s CRC")
+            d = _DTYPES.get(raw[:_DTYPE_NAME_LEN].rstrip(b"\0").decode("ascii", "replace"))
+            if d is None:
+                raise self._bad(f"dtype {i}: not one of this torch's")
+            self._dtype_objs[i] = d
+        return d
+
+    def _file(self, i: int) -> str:
+        name = self._file_names.get(i)
+        if name is None:
+            if not 0 <= i < self.nfiles:
+                raise self._bad(f"file {i}")
+            raw = self._body(self._files_at + _FILE_W * i, _FILE_W)
+            if _crc32(raw[:_FILE_W - 4], i) != _U32.unpack_from(raw, _FILE_W - 4)[0]:
+                raise self._bad(f"file row {i}'s CRC")
+            off, n, crc = _FILE.unpack_from(raw)
+            try:
+                name = self._name(off, n, crc).decode("utf-8")
+            except UnicodeDecodeError:
+                raise self._bad(f"file {i}'s name") from None
+            if not _name_ok(name):
+                raise self._bad(f"data file name {name!r}")
+            self._file_names[i] = name
+        return name
+
+    def _key_name(self, row: tuple) -> str:
+        try:
+            return self._name(row[1], row[2], row[3]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self._bad("a key's name") from None
+
+    # -- lookups
+
+    def key_count(self) -> int:
+        return self.nkeys
+
+    def keys(self) -> set:
+        """Every key (reads the whole key table and the keys' names)."""
+        return {self._key_name(self._key_row(i)) for i in range(self.nkeys)}
+
+    def byte_info(self) -> dict:
+        """fqn -> _StorageInfo of every non-tensor value."""
+        out = {}
+        for j in range(self.nbytes):
+            raw = self._body(self._bytes_at + _BYTES_W * j, _BYTES_W)
+            if _crc32(raw[:4], j) != _U32.unpack_from(raw, 4)[0]:
+                raise self._bad(f"value {j}'s CRC")
+            row = self._key_row(_U32.unpack_from(raw)[0])
+            if row[4] != _BYTES:
+                raise self._bad(f"value {j} is not one")
+            out[self._key_name(row)] = _StorageInfo(self._file(row[9]), row[10], row[11])
+        return out
+
+    def region(self, fqn: str, region: Optional[tuple]) -> Any:
+        """As ``_C.md_index_region(index, fqn, region, ChunkStorageMetadata,
+        torch.Size, _StorageInfo)`` answers from ``.metadata``: None (no
+        such key), () (a non-tensor value), or (dtype, size, chunks, infos)
+        with the key's saved chunks that meet ``region`` ((offsets, sizes);
+        None: none) in every dimension, in their order in ``.metadata``,
+        each one's storage entry (None where it has none).  ValueError or
+        TypeError for a malformed region; LoadIndexCorrupt when the index
+        is found damaged."""
+        if not isinstance(fqn, str):
+            raise TypeError(f"region() argument 1 must be str, not {type(fqn).__name__}")
+        got = self._find(fqn)
+        if got is None:
+            return None
+        ordinal, row = got
+        if row[4] == _BYTES:
+            return ()
+        nd, n, area = row[5], row[7], row[8]
+        bounds = None if region is None else _region_bounds(region, nd)
+        size_raw = self._body(area, 8 * nd + 4)
+        if _crc32(size_raw[:8 * nd], ordinal) != _U32.unpack_from(size_raw, 8 * nd)[0]:
+            raise self._bad(f"key {fqn!r}: its size's CRC")
+        size = struct.unpack_from(f"<{nd}q", size_raw)
+        if any(s < 0 for s in size):
+            raise self._bad(f"key {fqn!r}: its size")
+        dtype = self._dtype(row[6])
+        hits = [] if bounds is None else _Chunks(self, fqn, ordinal, nd, n, area, size).meeting(*bounds)
+        hits.sort(key=operator.itemgetter(0))
+        chunks, infos = [], []
+        for _, off, sz, f, soff, slen in hits:
+            chunks.append(ChunkStorageMetadata(torch.Size(off), torch.Size(sz)))
+            infos.append(None if f == _NO_FILE else _StorageInfo(self._file(f), soff, slen))
+        return dtype, torch.Size(size), chunks, infos
+
+
+def _as_i64(v: Any) -> int:
+    """PyLong_AsLongLong: an int (or __index__), OverflowError outside
+    int64, TypeError for anything else."""
+    i = operator.index(v)
+    if not _I64_MIN <= i <= _I64_MAX:
+        raise OverflowError("Python int too large to convert to C long long")
+    return i
+
+
+def _region_bounds(region: Any, nd: int) -> Optional[tuple]:
+    """(lo, hi) per dimension as md_index_region reads a region; None when
+    it has another number of dimensions (no chunk meets it)."""
+    if not (isinstance(region, tuple) and len(region) == 2 and isinstance(region[0], tuple)
+            and isinstance(region[1], tuple) and len(region[0]) == len(region[1])):
+        raise ValueError("dcpx: md_index_region: region is (offsets, sizes), two tuples of "
+                         "ints of one length")
+    o, s = region
+    if len(o) != nd:
+        return None
+    lo, hi = [], []
+    for k in range(nd):
+        a = _as_i64(o[k])
+        b = _as_i64(s[k])
+        lo.append(a)
+        e = a + b
+        hi.append(e if _I64_MIN <= e <= _I64_MAX else _I64_MAX)
+    return lo, hi
+
+
+_STRUCTS: dict = {}
+
+
+def _unpacker(n: int) -> struct.Struct:
+    s = _STRUCTS.get(n)
+    if s is None:
+        if len(_STRUCTS) > 4096:
+            _STRUCTS.clear()
+        s = _STRUCTS[n] = struct.Struct(f"<{n}q")
+    return s
+
+
+class _Chunks:
+    """One key's chunk rows, read a leaf at a time (each checked by the CRC
+    its fence entry holds, and each row used checked against the tensor)."""
+
+    __slots__ = ("ix", "fqn", "ordinal", "nd", "n", "size", "k", "width", "per", "nleaves",
+                 "fence_at", "rows_at", "leaves")
+
+    def __init__(self, ix: LoadIndex, fqn: str, ordinal: int, nd: int, n: int, area: int,
+                 size: tuple) -> None:
+        self.ix, self.fqn, self.ordinal, self.nd, self.n, self.size = ix, fqn, ordinal, nd, n, size
+        self.k = 2 * nd + 5
+        self.width = 8 * self.k
+        self.per = _leaf_rows(self.width)
+        self.nleaves = -(-n // self.per)
+        self.fence_at = area + 8 * nd + 4
+        self.rows_at = self.fence_at + _CFENCE_W * self.nleaves
+        self.leaves: dict = {}
+
+    def _fence(self, leaf: int) -> tuple:
+        raw = self.ix._body(self.fence_at + _CFENCE_W * leaf, _CFENCE_W)
+        if (_crc32(raw[:12], _crc32(_II.pack(self.ordinal, leaf)))
+                != _U32.unpack_from(raw, 12)[0]):
+            raise self.ix._bad(f"key {self.fqn!r}: fence entry {leaf}'s CRC")
+        return _CFENCE.unpack_from(raw)
+
+    def _leaf(self, leaf: int) -> tuple:
+        """The leaf's rows as one tuple of ints, k per row."""
+        got = self.leaves.get(leaf)
+        if got is None:
+            start, crc = self._fence(leaf)
+            first = leaf * self.per
+            cnt = min(self.per, self.n - first)
+            raw = self.ix._body(self.rows_at + self.width * first, self.width * cnt)
+            if _crc32(raw) != crc:
+                raise self.ix._bad(f"key {self.fqn!r}: chunk rows {first}-{first + cnt - 1}'s CRC")
+            got = self.leaves[leaf] = _unpacker(self.k * cnt).unpack(raw)
+        return got
+
+    def _row(self, j: int) -> tuple:
+        """Row j (sorted order), checked: (pos, offsets, sizes, file,
+        offset, length, maxend)."""
+        leaf, r = divmod(j, self.per)
+        vals = self._leaf(leaf)
+        nd, k = self.nd, self.k
+        a = r * k
+        off = vals[a:a + nd]
+        sz = vals[a + nd:a + 2 * nd]
+        maxend, pos, f, soff, slen = vals[a + 2 * nd:a + k]
+        for d in range(nd):
+            if off[d] < 0 or sz[d] < 0 or off[d] + sz[d] > self.size[d]:
+                raise self.ix._bad(f"key {self.fqn!r}: a chunk outside the tensor")
+        if (not 0 <= pos < self.n or not (f == _NO_FILE or 0 <= f < self.ix.nfiles)
+                or soff < 0 or slen < 0):
+            raise self.ix._bad(f"key {self.fqn!r}: chunk row {j}")
+        return pos, off, sz, f, soff, slen, maxend
+
+    def meeting(self, lo: list, hi: list) -> list:
+        """(pos, offsets, sizes, file, offset, length) of every chunk that
+        meets [lo, hi) in every dimension, in no particular order."""
+        nd = self.nd
+        out = []
+        if nd == 0:
+            for j in range(self.n):
+                out.append(self._row(j)[:6])
+            return out
+        h0, l0 = hi[0], lo[0]
+        # the last leaf whose first start is < hi[0]
+        a, b = 0, self.nleaves
+        while a < b:
+            mid = (a + b) // 2
+            if self._fence(mid)[0] < h0:
+                a = mid + 1
+            else:
+                b = mid
+        leaf = a - 1
+        if leaf < 0:
+            return out
+        # the last row of that leaf whose start is < hi[0]
+        first = leaf * self.per
+        a, b = first, min(first + self.per, self.n)
+        while a < b:
+            mid = (a + b) // 2
+            if self._row(mid)[1][0] < h0:
+                a = mid + 1
+            else:
+                b = mid
+        j = a - 1
+        while j >= 0:
+            row = self._row(j)
+            if row[6] <= l0:
+                break
+            off, sz = row[1], row[2]
+            for d in range(nd):
+                if max(lo[d], off[d]) >= min(hi[d], off[d] + sz[d]):
+                    break
+            else:
+                out.append(row[:6])
+            j -= 1
+        return out
