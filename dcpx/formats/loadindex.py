@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import dataclasses
 import hashlib
 import itertools
 import math
@@ -83,16 +84,17 @@ _DTYPE_W = _DTYPE_NAME_LEN + 4      # name (NUL-padded), CRC-32
 _FILE = struct.Struct("<QII")       # name_off, name_len, name_crc
 _FILE_W = _FILE.size + 8            # + reserved (0), CRC-32
 _BYTES_W = 8                        # key ordinal, CRC-32
-_CFENCE = struct.Struct("<qI")      # first start of the leaf, the leaf's CRC
-_CFENCE_W = _CFENCE.size + 4        # + the entry's CRC-32
+_FENCE = struct.Struct("<QI")       # a fence entry: first start of a leaf / block, its CRC
+_FENCE_W = _FENCE.size              # 12
+_FENCE_BLOCK = 4096 // _FENCE_W     # fence entries per fence block (341)
 _U32 = struct.Struct("<I")
 _II = struct.Struct("<II")
 
 _TENSOR, _BYTES = 1, 2
-_NO_FILE = -1
 _MAX_DIMS = 64
 _BLOCK = 4096
 _LEAF_BYTES = 4096
+_ALIGN_LEAVES = 8
 _I64_MAX = (1 << 63) - 1
 _I64_MIN = -(1 << 63)
 
@@ -130,8 +132,8 @@ def _hash64(name: bytes) -> int:
 
 def _row_width(nd: int) -> int:
     """A chunk row: offsets, sizes, the running max of ends along dim 0,
-    the position in the key's chunk list, file (-1: no storage entry),
-    offset, length; all int64."""
+    the position in the key's chunk list, file number + 1 (0: no storage
+    entry), offset, length; all u64."""
     return 8 * (2 * nd + 5)
 
 
@@ -147,6 +149,65 @@ def _fixed_end(nkeys: int, ndtypes: int, nfiles: int, nbytes: int) -> int:
             + _FILE_W * nfiles + _BYTES_W * nbytes)
 
 
+class _Area(tuple):
+    """Where the parts of a tensor key's area lie (body offsets), from its
+    offset, dims and chunks alone (docs/format.md, "The load index"):
+
+    * head: the tensor's size (nd x i64), the top fence (one entry per
+      fence block: its first start, its CRC-32), the head's CRC-32;
+    * fence blocks of up to 341 entries (one per leaf: its first start,
+      its CRC-32), ``fstride`` bytes apart;
+    * leaves of up to 4096 // row-width rows, ``stride`` bytes apart.
+
+    A key of fewer than 8 leaves has them back to back after one fence
+    block after its head.  A key of more starts its leaves at 4 KiB
+    boundaries of the file, each padded to 4 KiB, and its fence blocks too
+    when it has several; the builder places its area so that the head
+    (and a single fence block with it) does not cross a boundary: a lookup
+    reads one block of head and fence (two with several fence blocks) and
+    one of rows."""
+
+    __slots__ = ()
+
+    def __new__(cls, area: int, nd: int, n: int) -> "_Area":
+        w = _row_width(nd)
+        per = _leaf_rows(w)
+        nleaves = -(-n // per)
+        nfb = max(1, -(-nleaves // _FENCE_BLOCK))
+        head = 8 * nd + _FENCE_W * nfb + 4
+        fence_at = area + head
+        last_fb = nleaves - _FENCE_BLOCK * (nfb - 1)
+        if nleaves < _ALIGN_LEAVES:
+            fstride, stride = _FENCE_W * _FENCE_BLOCK, per * w
+            rows_at = fence_at + _FENCE_W * nleaves
+        else:
+            fstride = stride = _BLOCK
+            if nfb > 1:
+                fence_at = _align(fence_at)
+            rows_at = _align(fence_at + fstride * (nfb - 1) + _FENCE_W * last_fb)
+        end = rows_at + stride * max(0, nleaves - 1) + w * (n - per * max(0, nleaves - 1))
+        return tuple.__new__(cls, (head, fence_at, fstride, rows_at, stride, end, nleaves, nfb))
+
+
+def _align(at: int) -> int:
+    """The first body offset >= at that is a 4 KiB boundary of the file."""
+    return at + (-(at + HEADER_LEN) % _BLOCK)
+
+
+def _area_start(at: int, nd: int, n: int) -> int:
+    """Where the builder puts a key's area at or after ``at``: a big key's
+    head (and its fence block, when one) not across a 4 KiB boundary."""
+    w = _row_width(nd)
+    nleaves = -(-n // _leaf_rows(w))
+    if nleaves < _ALIGN_LEAVES:
+        return at
+    head, _, _, _, _, _, _, nfb = _Area(at, nd, n)
+    first = head + (_FENCE_W * nleaves if nfb == 1 else 0)
+    if first <= _BLOCK and (at + HEADER_LEN) % _BLOCK + first > _BLOCK:
+        return _align(at)
+    return at
+
+
 # --- building -----------------------------------------------------------------
 
 class _Unrepresentable(Exception):
@@ -155,122 +216,208 @@ class _Unrepresentable(Exception):
 
 _OFFSETS = operator.attrgetter("offsets")
 _SIZES = operator.attrgetter("sizes")
-_FQN = operator.attrgetter("fqn")
-_OFFSET = operator.attrgetter("offset")
+_REPEAT = itertools.repeat
+_HAS_TD = "transform_descriptors" in {f.name for f in dataclasses.fields(_StorageInfo)}
+
+
+def _column(objs: Any, attr: str) -> list:
+    # one C-level pass per attribute (lists, not arrays: an array built
+    # from an iterator costs 3x a list at scale)
+    return list(map(operator.attrgetter(attr), objs))
 
 
 class _Storage:
-    """``storage_data`` as columns: (fqn, offset) -> entry number, and per
-    entry its file number, offset and length (entry -1: the sentinel of a
-    chunk without an entry)."""
+    """``storage_data`` as columns: per entry its key's fqn, offset and
+    position hint (``MetadataIndex.index``), its file number, offset and
+    length (entry -1: the sentinel of a chunk without an entry)."""
 
     def __init__(self, storage_data: dict) -> None:
         keys = list(storage_data)
         infos = list(storage_data.values())
-        n = len(infos)
-        tds = list(map(getattr, infos, itertools.repeat("transform_descriptors"),
-                       itertools.repeat(None)))
-        if tds.count(None) != n:
+        n = self.n = len(infos)
+        if _HAS_TD and _column(infos, "transform_descriptors").count(None) != n:
             raise _Unrepresentable("a storage entry with transform descriptors")
-        paths = list(map(getattr, infos, itertools.repeat("relative_path")))
+        paths = _column(infos, "relative_path")
         names = dict.fromkeys(paths)
         for name in names:
             if type(name) is not str or not _name_ok(name):
                 raise _Unrepresentable(f"data file name {name!r}")
         self.files = list(names)
-        number = {name: i for i, name in enumerate(self.files)}
-        self.file = array("q", map(number.__getitem__, paths))
-        self.offset = array("q", map(getattr, infos, itertools.repeat("offset")))
-        self.length = array("q", map(getattr, infos, itertools.repeat("length")))
-        if n and (min(self.offset) < 0 or min(self.length) < 0):
-            raise _Unrepresentable("a negative storage offset or length")
-        for col, fill in ((self.file, _NO_FILE), (self.offset, 0), (self.length, 0)):
-            col.append(fill)
-        self.fqns = list(map(_FQN, keys))
-        self.entries = dict(zip(zip(self.fqns, map(_OFFSET, keys)), range(n)))
-        if len(self.entries) != n:
-            raise _Unrepresentable("storage entries with one (fqn, offset)")
+        # file numbers from 1 (0: no storage entry, the sentinel at -1)
+        number = dict(zip(self.files, range(1, len(self.files) + 1)))
+        self.file = list(map(number.__getitem__, paths))
+        self.offset = _column(infos, "offset")
+        self.length = _column(infos, "length")
+        for col in (self.offset, self.length):
+            # (types: the rows' arrays take ints only)
+            if n and (min(col) < 0 or max(col) > _I64_MAX):
+                raise _Unrepresentable("a storage offset or length")
+        for col in (self.file, self.offset, self.length):
+            col.append(0)
+        self.fqns = _column(keys, "fqn")
+        self.offs = _column(keys, "offset")
+        self.hints = _column(keys, "index")
+        # the entries of non-tensor values (offset None), by fqn (taken
+        # out as their keys are found)
+        self.values: dict = {}
+        self.nvalues = self.offs.count(None)
+        at = -1
+        for _ in range(self.nvalues):
+            at = self.offs.index(None, at + 1)
+            self.values[self.fqns[at]] = at
+
+
+def _fast_links(st: _Storage, tensors: list) -> Optional[dict]:
+    """{fqn: the storage entry of each chunk} from the entries' position
+    hints (``MetadataIndex.index``: a chunk's place in its key's list, as
+    dcpx's and torch's planners set it), each link checked: the entry's
+    fqn and offset are its chunk's (so it is the entry keyed (fqn,
+    offsets), whatever its hint said), every chunk has one, no two share
+    one.  None when any is missing or wrong (then _slow_links joins by
+    (fqn, offsets))."""
+    base: dict = {}
+    total = 0
+    for key in tensors:
+        base[key.name_str] = total
+        total += len(key.offs)
+    if st.nvalues:
+        sel = list(map(operator.is_not, st.offs, _REPEAT(None)))
+        fqns = list(itertools.compress(st.fqns, sel))
+        hints = list(itertools.compress(st.hints, sel))
+        entries = list(itertools.compress(range(st.n), sel))
+    else:
+        fqns, hints, entries = st.fqns, st.hints, range(st.n)
+    if len(fqns) != total:
+        return None
+    inv = [-1] * total
+    try:
+        gids = list(map(operator.add, map(base.__getitem__, fqns), hints))
+        any(map(inv.__setitem__, gids, entries))
+    except (KeyError, TypeError, IndexError):   # an entry of no tensor, no hint
+        return None
+    if inv.count(-1):
+        return None          # two entries claimed one chunk: one has none
+    links = {}
+    offs = st.offs
+    for key in tensors:
+        b = base[key.name_str]
+        n = len(key.offs)
+        idx = inv[b:b + n]
+        if (list(map(offs.__getitem__, idx)) != key.offs
+                or list(map(st.fqns.__getitem__, idx)).count(key.name_str) != n):
+            return None
+        links[key.name_str] = idx
+    return links
+
+
+def _slow_links(st: _Storage, tensors: list) -> dict:
+    """{fqn: the storage entry of each chunk (-1: none)}, joined by (fqn,
+    offsets) as plan_reads looks a chunk's entry up."""
+    entries = {(f, o): e for e, (f, o) in enumerate(zip(st.fqns, st.offs)) if o is not None}
+    links = {}
+    for key in tensors:
+        n = len(key.offs)
+        idx = list(map(entries.pop, zip(_REPEAT(key.name_str, n), key.offs), _REPEAT(-1, n)))
+        if -1 in idx and len(set(key.offs)) != n:
+            raise _Unrepresentable("two chunks at one offset")
+        links[key.name_str] = idx
+    if entries:
+        raise _Unrepresentable("a storage entry that no chunk has")
+    return links
 
 
 class _Key:
     __slots__ = ("name_str", "name", "hash", "kind", "ndim", "dtype", "nchunks", "area", "file",
-                 "offset", "length")
+                 "offset", "length", "m", "offs", "szs")
 
 
-def _tensor_area(key: _Key, m: TensorStorageMetadata, st: _Storage, ordinal_seed: int) -> bytes:
-    """The key's area: its size (+CRC), its fence (one entry per leaf of
-    rows) and its rows, sorted by offsets[0] (stably)."""
-    size = tuple(m.size)
+def _chunk_rows(key: _Key, size: tuple, idx: list, st: _Storage) -> tuple:
+    """(the rows of the key's chunks sorted by offsets[0] (stably), as
+    bytes; their starts in that order).  Every field is a u64: an array
+    of them refuses a negative value, or one that is not an int."""
+    offs, szs = key.offs, key.szs
+    n, nd = len(offs), len(size)
+    if n and not set(map(len, offs)) | set(map(len, szs)) <= {nd}:
+        raise _Unrepresentable("a chunk of another number of dimensions")
+    flat_off = list(itertools.chain.from_iterable(offs))
+    flat_sz = list(itertools.chain.from_iterable(szs))
+    cols = [flat_off[d::nd] for d in range(nd)] + [flat_sz[d::nd] for d in range(nd)]
+    for d in range(1, nd):
+        # inside the tensor (dim 0: by its running max of ends, below);
+        # a dim no chunk splits is the common case, counted in C
+        if cols[d].count(0) != n or cols[nd + d].count(size[d]) != n:
+            if max(map(operator.add, cols[d], cols[nd + d])) > size[d]:
+                raise _Unrepresentable("a chunk outside its tensor")
+    k = 2 * nd + 5
+    pos = None
+    if nd:
+        ends = list(map(operator.add, cols[0], cols[nd]))
+        if any(map(operator.gt, cols[0], itertools.islice(cols[0], 1, None))):
+            pos = sorted(range(n), key=cols[0].__getitem__)
+            cols = [list(map(c.__getitem__, pos)) for c in cols]
+            ends = list(map(ends.__getitem__, pos))
+            idx = list(map(idx.__getitem__, pos))
+        if any(map(operator.gt, ends, itertools.islice(ends, 1, None))):
+            ends = list(itertools.accumulate(ends, max))
+        if n and ends[-1] > size[0]:
+            raise _Unrepresentable("a chunk outside its tensor")
+    else:
+        ends = [0] * n
+    cols += [ends, list(range(n)) if pos is None else pos,
+             list(map(st.file.__getitem__, idx)), list(map(st.offset.__getitem__, idx)),
+             list(map(st.length.__getitem__, idx))]
+    rows = array("Q", bytes(8 * n * k))
+    for j, c in enumerate(cols):
+        rows[j::k] = array("Q", c)
+    if sys.byteorder != "little":
+        rows.byteswap()
+    return rows.tobytes(), cols[0] if nd else ends
+
+
+def _tensor_area(key: _Key, idx: list, st: _Storage, ordinal: int, area: int) -> bytes:
+    """The key's area at body offset ``area`` (_Area)."""
+    size = tuple(key.m.size)
     nd = len(size)
     if nd > _MAX_DIMS:
         raise _Unrepresentable("more than 64 dimensions")
-    if any(type(s) is not int or s < 0 for s in size) or math.prod(size) >= 1 << 64:
+    if (any(type(s) is not int or not 0 <= s <= _I64_MAX for s in size)
+            or math.prod(size) >= 1 << 64):
         raise _Unrepresentable("a tensor size")
-    chunks = m.chunks
-    n = len(chunks)
-    offs = list(map(_OFFSETS, chunks))
-    szs = list(map(_SIZES, chunks))
-    if n and not set(map(len, offs)) | set(map(len, szs)) <= {nd}:
-        raise _Unrepresentable("a chunk of another number of dimensions")
-    fqn = key.name_str
-    idx = list(map(st.entries.pop, zip(itertools.repeat(fqn, n), offs),
-                   itertools.repeat(-1, n)))
-    if -1 in idx and len(set(offs)) != n:
-        raise _Unrepresentable("two chunks at one offset")
-    flat_off = array("q", itertools.chain.from_iterable(offs))
-    flat_sz = array("q", itertools.chain.from_iterable(szs))
-    if n and nd:
-        if min(flat_off) < 0 or min(flat_sz) < 0:
-            raise _Unrepresentable("a negative chunk offset or size")
-        for d in range(nd):
-            if max(map(operator.add, flat_off[d::nd], flat_sz[d::nd])) > size[d]:
-                raise _Unrepresentable("a chunk outside its tensor")
-    k = 2 * nd + 5
-    if nd:
-        starts = flat_off[0::nd]
-        sorted_already = not any(map(operator.gt, starts, itertools.islice(starts, 1, None)))
-        order = None if sorted_already else sorted(range(n), key=starts.__getitem__)
-    else:
-        starts, order = array("q", bytes(8 * n)), None
-    cols = [flat_off[d::nd] for d in range(nd)] + [flat_sz[d::nd] for d in range(nd)]
-    if order is not None:
-        cols = [array("q", map(c.__getitem__, order)) for c in cols]
-        pos = array("q", order)
-        idx = list(map(idx.__getitem__, order))
-    else:
-        pos = array("q", range(n))
-    if nd:
-        maxend = array("q", itertools.accumulate(map(operator.add, cols[0], cols[nd]), max))
-        starts = cols[0]
-    else:
-        maxend = array("q", bytes(8 * n))
-    rows = array("q", bytes(8 * n * k))
-    for j, c in enumerate(cols):
-        rows[j::k] = c
-    rows[2 * nd::k] = maxend
-    rows[2 * nd + 1::k] = pos
-    rows[2 * nd + 2::k] = array("q", map(st.file.__getitem__, idx))
-    rows[2 * nd + 3::k] = array("q", map(st.offset.__getitem__, idx))
-    rows[2 * nd + 4::k] = array("q", map(st.length.__getitem__, idx))
-    if sys.byteorder != "little":
-        rows.byteswap()
-    data = rows.tobytes()
-    mv = memoryview(data)
-    width = 8 * k
-    per = _leaf_rows(width)
-    step = per * width
-    nleaves = -(-n // per)
-    fence = bytearray(_CFENCE_W * nleaves)
-    for leaf in range(nleaves):
-        a = leaf * step
-        _CFENCE.pack_into(fence, leaf * _CFENCE_W, starts[leaf * per], _crc32(mv[a:a + step]))
-        at = leaf * _CFENCE_W
-        _U32.pack_into(fence, at + 12, _crc32(memoryview(fence)[at:at + 12],
-                                                _crc32(_II.pack(ordinal_seed, leaf))))
-    size_rec = struct.pack(f"<{nd}q", *size)
+    data, starts = _chunk_rows(key, size, idx, st)
+    n = len(starts)
     key.ndim = nd
     key.nchunks = n
-    return b"".join((size_rec, _U32.pack(_crc32(size_rec, ordinal_seed)), fence, data))
+    head_len, fence_at, fstride, rows_at, stride, end, nleaves, nfb = _Area(area, nd, n)
+    w = _row_width(nd)
+    per = _leaf_rows(w)
+    step = per * w
+    mv = memoryview(data)
+    fence = bytearray(_FENCE_W * nleaves)
+    for leaf in range(nleaves):
+        _FENCE.pack_into(fence, _FENCE_W * leaf, starts[leaf * per],
+                         _crc32(mv[leaf * step:(leaf + 1) * step]))
+    fv = memoryview(fence)
+    fstep = _FENCE_W * _FENCE_BLOCK
+    head = bytearray(struct.pack(f"<{nd}q", *size))
+    for j in range(nfb):
+        first = starts[j * _FENCE_BLOCK * per] if n else 0
+        head += _FENCE.pack(first, _crc32(fv[j * fstep:(j + 1) * fstep]))
+    head += _U32.pack(_crc32(head, ordinal))
+    parts = [head]
+    at = area + head_len
+    for j in range(nfb):
+        block_at = fence_at + fstride * j
+        parts += (bytes(block_at - at), fv[j * fstep:(j + 1) * fstep])
+        at = block_at + len(parts[-1])
+    for leaf in range(nleaves):
+        leaf_at = rows_at + stride * leaf
+        parts += (bytes(leaf_at - at), mv[leaf * step:(leaf + 1) * step])
+        at = leaf_at + len(parts[-1])
+    assert at == end
+    out = b"".join(parts)
+    fv.release()
+    mv.release()
+    return out
 
 
 def build_body(metadata: Any) -> Optional[bytes]:
@@ -293,47 +440,59 @@ def _build(metadata: Any) -> bytes:
     if not all(map(sdm.__contains__, st.fqns)):
         raise _Unrepresentable("a storage entry of no key")
     keys: list = []
-    for fqn in sdm:
+    tensors: list = []
+    for fqn, m in sdm.items():
         if type(fqn) is not str:
             raise _Unrepresentable("a key that is not a str")
         key = _Key()
         key.name_str = fqn
         key.name = fqn.encode("utf-8")
         key.hash = _hash64(key.name)
-        keys.append(key)
-    keys.sort(key=lambda k: (k.hash, k.name))
-    dtypes: dict = {}
-    areas: list = []
-    area_len = 0
-    nbytes = 0
-    for ordinal, key in enumerate(keys):
-        m = sdm[key.name_str]
-        key.ndim = key.nchunks = key.area = key.file = key.offset = key.length = 0
-        key.dtype = 0
-        if type(m) is BytesStorageMetadata:
-            e = st.entries.pop((key.name_str, None), -1)
-            if e < 0:
-                raise _Unrepresentable("a non-tensor value without its storage entry")
-            key.kind = _BYTES
-            key.file, key.offset, key.length = st.file[e], st.offset[e], st.length[e]
-            nbytes += 1
-        elif type(m) is TensorStorageMetadata:
-            name = _DTYPE_NAMES.get(getattr(m.properties, "dtype", None))
-            if name is None:
-                raise _Unrepresentable("a dtype not torch's")
+        key.m = m
+        key.ndim = key.nchunks = key.area = key.file = key.offset = key.length = key.dtype = 0
+        if type(m) is TensorStorageMetadata:
             key.kind = _TENSOR
-            key.dtype = dtypes.setdefault(name, len(dtypes))
-            area = _tensor_area(key, m, st, ordinal)
-            key.area = area_len          # relative: placed below
-            areas.append(area)
-            area_len += len(area)
+            key.offs = list(map(_OFFSETS, m.chunks))
+            key.szs = list(map(_SIZES, m.chunks))
+            tensors.append(key)
+        elif type(m) is BytesStorageMetadata:
+            key.kind = _BYTES
+            e = st.values.pop(fqn, None)
+            if e is None:
+                raise _Unrepresentable("a non-tensor value without its storage entry")
+            key.file, key.offset, key.length = st.file[e] - 1, st.offset[e], st.length[e]
         else:
             raise _Unrepresentable(f"a value of type {type(m).__name__}")
-    if st.entries:
-        raise _Unrepresentable("a storage entry that no chunk has")
+        keys.append(key)
+    if st.values:
+        raise _Unrepresentable("a storage entry without offset of a tensor")
+    links = _fast_links(st, tensors)
+    if links is None:
+        links = _slow_links(st, tensors)
+    keys.sort(key=lambda k: (k.hash, k.name))
+    dtypes: dict = {}
+    for key in keys:
+        if key.kind == _TENSOR:
+            name = _DTYPE_NAMES.get(getattr(key.m.properties, "dtype", None))
+            if name is None:
+                raise _Unrepresentable("a dtype not torch's")
+            key.dtype = dtypes.setdefault(name, len(dtypes))
     if len(dtypes) > 0xFFFF or len(keys) >= 1 << 32 or len(st.files) >= 1 << 32:
         raise _Unrepresentable("too many keys, dtypes or files")
-    return _assemble(keys, list(dtypes), st.files, nbytes, areas, area_len)
+    nbytes = len(keys) - len(tensors)
+    areas_at = _fixed_end(len(keys), len(dtypes), len(st.files), nbytes)
+    areas: list = []
+    at = areas_at
+    for ordinal, key in enumerate(keys):
+        if key.kind == _TENSOR:
+            start = _area_start(at, len(key.m.size), len(key.offs))
+            if start != at:
+                areas.append(bytes(start - at))
+            area = _tensor_area(key, links[key.name_str], st, ordinal, start)
+            key.area = start
+            areas.append(area)
+            at = start + len(area)
+    return _assemble(keys, list(dtypes), st.files, nbytes, areas, at - areas_at)
 
 
 def _assemble(keys: list, dtypes: list, files: list, nbytes: int, areas: list,
@@ -349,10 +508,10 @@ def _assemble(keys: list, dtypes: list, files: list, nbytes: int, areas: list,
         name_off = heap_at + heap_len
         heap.append(key.name)
         heap_len += len(key.name)
-        area = areas_at + key.area if key.kind == _TENSOR else 0
+        area = key.area if key.kind == _TENSOR else 0
         at = i * _KEY_W
         _KEY.pack_into(key_rows, at, key.hash, name_off, len(key.name), _crc32(key.name),
-                       key.kind, key.ndim, key.dtype, key.nchunks, area, max(key.file, 0),
+                       key.kind, key.ndim, key.dtype, key.nchunks, area, key.file,
                        key.offset, key.length)
         _U32.pack_into(key_rows, at + _KEY.size,
                        _crc32(memoryview(key_rows)[at:at + _KEY.size], i))
@@ -412,7 +571,7 @@ class _Blocks:
         self.size = size
         self.path = path
         self.cache: collections.OrderedDict = collections.OrderedDict()
-        self.bytes_read = 0
+        self.bytes_read = HEADER_LEN + _MD_TRAILER.size   # read by open
 
     def read(self, off: int, n: int) -> bytes:
         if off < 0 or n < 0 or off + n > self.size:
@@ -421,7 +580,9 @@ class _Blocks:
             return b""
         first, last = off // _BLOCK, (off + n - 1) // _BLOCK
         if first == last:
-            b = self._blocks(first, first)[0]
+            b = self.cache.get(first)
+            if b is None:
+                b = self._blocks(first, first)[0]
             at = off - first * _BLOCK
             return b[at:at + n]
         data = b"".join(self._blocks(first, last))
@@ -519,6 +680,7 @@ class LoadIndex:
         self._fixed_end = self._bytes_at + _BYTES_W * nbytes
         self._file_names: dict = {}
         self._dtype_objs: dict = {}
+        self._rows: dict = {}      # key rows checked
 
     # -- opening
 
@@ -621,6 +783,9 @@ class LoadIndex:
     def _key_row(self, i: int) -> tuple:
         """Key row i, checked: (hash, name_off, name_len, name_crc, kind,
         ndim, dtype, nchunks, area_off, file, offset, length)."""
+        row = self._rows.get(i)
+        if row is not None:
+            return row
         if not 0 <= i < self.nkeys:
             raise self._bad(f"key {i}")
         raw = self._body(self._keys_at + _KEY_W * i, _KEY_W)
@@ -633,15 +798,15 @@ class LoadIndex:
         if kind == _TENSOR:
             if nd > _MAX_DIMS or dtype >= self.ndtypes or area < self._fixed_end:
                 raise self._bad(f"key row {i}")
-            w = _row_width(nd)
-            end = area + 8 * nd + 4 + _CFENCE_W * -(-n // _leaf_rows(w)) + w * n
-            if end > self.body_len:
+            if _Area(area, nd, n)[5] > self.body_len:
                 raise self._bad(f"key row {i}'s chunks")
         elif kind == _BYTES:
             if f >= self.nfiles or off > _I64_MAX or length > _I64_MAX:
                 raise self._bad(f"key row {i}")
         else:
             raise self._bad(f"key row {i}'s kind")
+        if len(self._rows) < 65536:
+            self._rows[i] = row
         return row
 
     def _key_hash(self, leaf: int) -> int:
@@ -759,22 +924,17 @@ class LoadIndex:
         ordinal, row = got
         if row[4] == _BYTES:
             return ()
-        nd, n, area = row[5], row[7], row[8]
+        nd = row[5]
         bounds = None if region is None else _region_bounds(region, nd)
-        size_raw = self._body(area, 8 * nd + 4)
-        if _crc32(size_raw[:8 * nd], ordinal) != _U32.unpack_from(size_raw, 8 * nd)[0]:
-            raise self._bad(f"key {fqn!r}: its size's CRC")
-        size = struct.unpack_from(f"<{nd}q", size_raw)
-        if any(s < 0 for s in size):
-            raise self._bad(f"key {fqn!r}: its size")
+        key = _Chunks(self, fqn, ordinal, nd, row[7], row[8])
         dtype = self._dtype(row[6])
-        hits = [] if bounds is None else _Chunks(self, fqn, ordinal, nd, n, area, size).meeting(*bounds)
+        hits = [] if bounds is None else key.meeting(*bounds)
         hits.sort(key=operator.itemgetter(0))
         chunks, infos = [], []
         for _, off, sz, f, soff, slen in hits:
             chunks.append(ChunkStorageMetadata(torch.Size(off), torch.Size(sz)))
-            infos.append(None if f == _NO_FILE else _StorageInfo(self._file(f), soff, slen))
-        return dtype, torch.Size(size), chunks, infos
+            infos.append(None if f == 0 else _StorageInfo(self._file(f - 1), soff, slen))
+        return dtype, torch.Size(key.size), chunks, infos
 
 
 def _as_i64(v: Any) -> int:
@@ -814,50 +974,63 @@ def _unpacker(n: int) -> struct.Struct:
     if s is None:
         if len(_STRUCTS) > 4096:
             _STRUCTS.clear()
-        s = _STRUCTS[n] = struct.Struct(f"<{n}q")
+        s = _STRUCTS[n] = struct.Struct(f"<{n}Q")
     return s
 
 
 class _Chunks:
-    """One key's chunk rows, read a leaf at a time (each checked by the CRC
-    its fence entry holds, and each row used checked against the tensor)."""
+    """One key's chunks: its head read and checked at once, its fence
+    blocks and leaves of rows when a lookup needs them, each checked by
+    the CRC-32 the level above holds; each row used checked against the
+    tensor's size."""
 
-    __slots__ = ("ix", "fqn", "ordinal", "nd", "n", "size", "k", "width", "per", "nleaves",
-                 "fence_at", "rows_at", "leaves")
+    __slots__ = ("ix", "fqn", "nd", "n", "size", "k", "width", "per", "area", "top",
+                 "fences", "leaves")
 
-    def __init__(self, ix: LoadIndex, fqn: str, ordinal: int, nd: int, n: int, area: int,
-                 size: tuple) -> None:
-        self.ix, self.fqn, self.ordinal, self.nd, self.n, self.size = ix, fqn, ordinal, nd, n, size
+    def __init__(self, ix: LoadIndex, fqn: str, ordinal: int, nd: int, n: int,
+                 area: int) -> None:
+        self.ix, self.fqn, self.nd, self.n = ix, fqn, nd, n
         self.k = 2 * nd + 5
         self.width = 8 * self.k
         self.per = _leaf_rows(self.width)
-        self.nleaves = -(-n // self.per)
-        self.fence_at = area + 8 * nd + 4
-        self.rows_at = self.fence_at + _CFENCE_W * self.nleaves
+        self.area = a = _Area(area, nd, n)
+        raw = ix._body(area, a[0])
+        if _crc32(raw[:-4], ordinal) != _U32.unpack_from(raw, a[0] - 4)[0]:
+            raise ix._bad(f"key {fqn!r}: its head's CRC")
+        self.size = struct.unpack_from(f"<{nd}q", raw)
+        if any(s < 0 for s in self.size):
+            raise ix._bad(f"key {fqn!r}: its size")
+        self.top = [_FENCE.unpack_from(raw, 8 * nd + _FENCE_W * j) for j in range(a[7])]
+        self.fences: dict = {}
         self.leaves: dict = {}
 
-    def _fence(self, leaf: int) -> tuple:
-        raw = self.ix._body(self.fence_at + _CFENCE_W * leaf, _CFENCE_W)
-        if (_crc32(raw[:12], _crc32(_II.pack(self.ordinal, leaf)))
-                != _U32.unpack_from(raw, 12)[0]):
-            raise self.ix._bad(f"key {self.fqn!r}: fence entry {leaf}'s CRC")
-        return _CFENCE.unpack_from(raw)
+    def _fence(self, j: int) -> list:
+        """Fence block j: [(first start, CRC-32) of each of its leaves]."""
+        got = self.fences.get(j)
+        if got is None:
+            _, fence_at, fstride, _, _, _, nleaves, _ = self.area
+            cnt = min(_FENCE_BLOCK, nleaves - _FENCE_BLOCK * j)
+            raw = self.ix._body(fence_at + fstride * j, _FENCE_W * cnt)
+            if _crc32(raw) != self.top[j][1]:
+                raise self.ix._bad(f"key {self.fqn!r}: fence block {j}'s CRC")
+            got = self.fences[j] = list(_FENCE.iter_unpack(raw))
+        return got
 
     def _leaf(self, leaf: int) -> tuple:
         """The leaf's rows as one tuple of ints, k per row."""
         got = self.leaves.get(leaf)
         if got is None:
-            start, crc = self._fence(leaf)
+            crc = self._fence(leaf // _FENCE_BLOCK)[leaf % _FENCE_BLOCK][1]
             first = leaf * self.per
             cnt = min(self.per, self.n - first)
-            raw = self.ix._body(self.rows_at + self.width * first, self.width * cnt)
+            raw = self.ix._body(self.area[3] + self.area[4] * leaf, self.width * cnt)
             if _crc32(raw) != crc:
                 raise self.ix._bad(f"key {self.fqn!r}: chunk rows {first}-{first + cnt - 1}'s CRC")
             got = self.leaves[leaf] = _unpacker(self.k * cnt).unpack(raw)
         return got
 
     def _row(self, j: int) -> tuple:
-        """Row j (sorted order), checked: (pos, offsets, sizes, file,
+        """Row j (sorted order), checked: (pos, offsets, sizes, file + 1,
         offset, length, maxend)."""
         leaf, r = divmod(j, self.per)
         vals = self._leaf(leaf)
@@ -867,43 +1040,40 @@ class _Chunks:
         sz = vals[a + nd:a + 2 * nd]
         maxend, pos, f, soff, slen = vals[a + 2 * nd:a + k]
         for d in range(nd):
-            if off[d] < 0 or sz[d] < 0 or off[d] + sz[d] > self.size[d]:
+            if off[d] + sz[d] > self.size[d]:     # (u64s: none is negative)
                 raise self.ix._bad(f"key {self.fqn!r}: a chunk outside the tensor")
-        if (not 0 <= pos < self.n or not (f == _NO_FILE or 0 <= f < self.ix.nfiles)
-                or soff < 0 or slen < 0):
+        if pos >= self.n or f > self.ix.nfiles or soff > _I64_MAX or slen > _I64_MAX:
             raise self.ix._bad(f"key {self.fqn!r}: chunk row {j}")
         return pos, off, sz, f, soff, slen, maxend
 
     def meeting(self, lo: list, hi: list) -> list:
-        """(pos, offsets, sizes, file, offset, length) of every chunk that
-        meets [lo, hi) in every dimension, in no particular order."""
-        nd = self.nd
-        out = []
+        """(pos, offsets, sizes, file + 1, offset, length) of every chunk
+        that meets [lo, hi) in every dimension, in no particular order:
+        the last row whose start is < hi[0] found by bisection (top fence,
+        fence block, leaf), then the rows before it while their running
+        max of ends is > lo[0]."""
+        nd, n = self.nd, self.n
         if nd == 0:
-            for j in range(self.n):
-                out.append(self._row(j)[:6])
-            return out
+            return [self._row(j)[:6] for j in range(n)]
+        if n == 0:
+            return []
         h0, l0 = hi[0], lo[0]
-        # the last leaf whose first start is < hi[0]
-        a, b = 0, self.nleaves
-        while a < b:
-            mid = (a + b) // 2
-            if self._fence(mid)[0] < h0:
-                a = mid + 1
-            else:
-                b = mid
-        leaf = a - 1
+        j = bisect.bisect_left([t[0] for t in self.top], h0) - 1
+        if j < 0:
+            return []
+        fence = self._fence(j)
+        leaf = j * _FENCE_BLOCK + bisect.bisect_left([e[0] for e in fence], h0) - 1
         if leaf < 0:
-            return out
-        # the last row of that leaf whose start is < hi[0]
-        first = leaf * self.per
-        a, b = first, min(first + self.per, self.n)
+            return []
+        a = leaf * self.per
+        b = min(a + self.per, n)
         while a < b:
             mid = (a + b) // 2
             if self._row(mid)[1][0] < h0:
                 a = mid + 1
             else:
                 b = mid
+        out = []
         j = a - 1
         while j >= 0:
             row = self._row(j)
