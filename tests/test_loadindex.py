@@ -249,6 +249,23 @@ def test_the_position_hints_never_change_the_body():
         assert len(bodies) == 1 and None not in bodies
 
 
+def test_hints_that_point_into_another_key_are_not_followed():
+    """Two keys of the same chunks; each one's entries hint at the other's
+    places: every chunk still gets its own key's entry."""
+    sdm = {k: _tensor([4], [((0,), (2,)), ((2,), (2,))]) for k in ("a", "b")}
+    base = {"a": 0, "b": 2}
+    other = {"a": "b", "b": "a"}
+    storage = {}
+    for k in ("a", "b"):
+        for i, o in enumerate((0, 2)):
+            hint = base[other[k]] - base[k] + i  # the other key's slot
+            storage[MetadataIndex(k, torch.Size([o]), hint)] = _StorageInfo(f"{k}{i}", 0, 8)
+    md = Metadata(sdm, storage_data=storage)
+    plain = Metadata(sdm, storage_data={MetadataIndex(k.fqn, k.offset): v
+                                        for k, v in storage.items()})
+    assert li.build_body(md) == li.build_body(plain) is not None
+
+
 def test_a_save_s_metadata_is_joined_by_its_hints(monkeypatch):
     """The metadata a save commits (every chunk with its entry, the
     entries' hints set, values among them) takes the join by hints: no
@@ -630,6 +647,64 @@ def test_a_forged_index_names_no_file_outside_the_checkpoint(tmp_path):
                 ix.region("w", ((0,), (8,)))
             with pytest.raises(li.LoadIndexCorrupt, match="data file name"):
                 ix.byte_info()
+
+
+def _forge_row(data: bytes, ordinal: int, row: tuple, j: int, **fields) -> bytes:
+    """Chunk row j (sorted order) of the tensor key at ``ordinal`` (its key
+    row ``row``) with fields replaced, and the CRCs above it made again:
+    its leaf's in its fence block, the block's in the head, the head's."""
+    nd, n, area = row[5], row[7], row[8]
+    head_len, fence_at, fstride, rows_at, stride, _, nleaves, nfb = li._Area(area, nd, n)
+    k = 2 * nd + 5
+    per = li._leaf_rows(8 * k)
+    leaf, r = divmod(j, per)
+    buf = bytearray(data)
+    h = li.HEADER_LEN
+    at = h + rows_at + stride * leaf + 8 * k * r
+    vals = list(struct.unpack_from(f"<{k}Q", buf, at))
+    names = ["off%d" % d for d in range(nd)] + ["sz%d" % d for d in range(nd)] + \
+        ["maxend", "pos", "file", "offset", "length"]
+    for name, v in fields.items():
+        vals[names.index(name)] = v
+    struct.pack_into(f"<{k}Q", buf, at, *vals)
+    cnt = min(per, n - leaf * per)
+    leaf_at = h + rows_at + stride * leaf
+    fb, e = divmod(leaf, li._FENCE_BLOCK)
+    entry_at = h + fence_at + fstride * fb + 12 * e
+    start, _ = li._FENCE.unpack_from(buf, entry_at)
+    li._FENCE.pack_into(buf, entry_at, start, _C.crc32(bytes(buf[leaf_at:leaf_at + 8 * k * cnt])))
+    fcnt = min(li._FENCE_BLOCK, nleaves - li._FENCE_BLOCK * fb)
+    block = bytes(buf[h + fence_at + fstride * fb:h + fence_at + fstride * fb + 12 * fcnt])
+    top_at = h + area + 8 * nd + 12 * fb
+    first, _ = li._FENCE.unpack_from(buf, top_at)
+    li._FENCE.pack_into(buf, top_at, first, _C.crc32(block))
+    struct.pack_into("<I", buf, h + area + head_len - 4,
+                     _C.crc32(bytes(buf[h + area:h + area + head_len - 4]), ordinal))
+    return bytes(buf)
+
+
+def test_forged_chunk_rows_are_checked(tmp_path):
+    """Rows crafted with every CRC made again: a chunk outside its tensor,
+    a position, a file or an extent out of range is refused; a harmless
+    change (the storage offset) is answered as the index says."""
+    md = _md(100)
+    write_pair(tmp_path, md)
+    path = tmp_path / li.INDEX_FN
+    data = path.read_bytes()
+    with li.LoadIndex.open(tmp_path) as ix:
+        ordinal, row = ix._find("w")
+        nfiles = ix.nfiles
+    for fields, match in (({"sz0": 3}, "outside the tensor"), ({"off0": 2 ** 64 - 1}, "outside"),
+                          ({"pos": 100}, "chunk row"), ({"file": nfiles + 1}, "chunk row"),
+                          ({"offset": 2 ** 63}, "chunk row"), ({"length": 2 ** 64 - 1}, "chunk row")):
+        path.write_bytes(_forge_row(data, ordinal, row, 99, **fields))
+        with li.LoadIndex.open(tmp_path) as ix:
+            assert ix.region("w", ((0,), (2,)))[2] == md.state_dict_metadata["w"].chunks[:1]
+            with pytest.raises(li.LoadIndexCorrupt, match=match):
+                ix.region("w", ((198,), (2,)))
+    path.write_bytes(_forge_row(data, ordinal, row, 99, offset=4096))
+    with li.LoadIndex.open(tmp_path) as ix:  # (a crafted pair can differ: only checks)
+        assert ix.region("w", ((198,), (2,)))[3] == [_StorageInfo("__99_0.distcp", 4096, 8)]
 
 
 # --- what the index cannot represent ------------------------------------------------
