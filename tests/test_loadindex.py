@@ -249,6 +249,24 @@ def test_the_position_hints_never_change_the_body():
         assert len(bodies) == 1 and None not in bodies
 
 
+def test_small_keys_are_packed_as_the_columns_pack_them(monkeypatch):
+    """Keys of few chunks are packed row by row (_small_area): the same
+    bytes as the column passes give, and the same refusals."""
+    cases = [random_metadata(random.Random(seed), keys=8) for seed in range(60)]
+    cases += [Metadata({"w": _tensor([4], [((2,), (4,))])}, storage_data={
+                  MetadataIndex("w", torch.Size([2])): _StorageInfo("f", 0, 4)}),
+              Metadata({"w": _tensor([4, 4], [((0,), (4,))])}, storage_data={
+                  MetadataIndex("w", torch.Size([0])): _StorageInfo("f", 0, 4)}),
+              Metadata({"w": _tensor([4], [((-1,), (2,))])}, storage_data={
+                  MetadataIndex("w", torch.Size([-1])): _StorageInfo("f", 0, 4)}),
+              Metadata({"w": _tensor([4, 4], [((0, 0), (4, 5))])}, storage_data={
+                  MetadataIndex("w", torch.Size([0, 0])): _StorageInfo("f", 0, 4)})]
+    small = [li.build_body(md) for md in cases]
+    monkeypatch.setattr(li, "_SMALL", 0)
+    assert [li.build_body(md) for md in cases] == small
+    assert small[-4:] == [None] * 4 and None not in small[:-4]
+
+
 def test_hints_that_point_into_another_key_are_not_followed():
     """Two keys of the same chunks; each one's entries hint at the other's
     places: every chunk still gets its own key's entry."""

@@ -197,6 +197,8 @@ def _align(at: int) -> int:
 def _area_start(at: int, nd: int, n: int) -> int:
     """Where the builder puts a key's area at or after ``at``: a big key's
     head (and its fence block, when one) not across a 4 KiB boundary."""
+    if n <= _SMALL:
+        return at
     w = _row_width(nd)
     nleaves = -(-n // _leaf_rows(w))
     if nleaves < _ALIGN_LEAVES:
@@ -374,6 +376,38 @@ def _chunk_rows(key: _Key, size: tuple, idx: list, st: _Storage) -> tuple:
     return rows.tobytes(), cols[0] if nd else ends
 
 
+_SMALL = 16     # keys of at most this many chunks: packed row by row
+
+
+def _small_area(key: _Key, size: tuple, idx: list, st: _Storage, ordinal: int) -> bytes:
+    """_tensor_area's bytes for a key of few chunks (one leaf, back to
+    back), without its column passes: a key of one chunk (DDP, a single
+    process) costs a few struct calls instead of dozens of list passes."""
+    nd = len(size)
+    offs, szs = key.offs, key.szs
+    n = len(offs)
+    for o, z in zip(offs, szs):
+        if len(o) != nd or len(z) != nd:
+            raise _Unrepresentable("a chunk of another number of dimensions")
+        for d in range(nd):
+            if o[d] + z[d] > size[d]:
+                raise _Unrepresentable("a chunk outside its tensor")
+    order = sorted(range(n), key=lambda j: offs[j][0]) if nd > 0 and n > 1 else range(n)
+    row = _unpacker(2 * nd + 5)
+    rows = []
+    top = 0
+    for j in order:
+        o, z, e = offs[j], szs[j], idx[j]
+        if nd:
+            top = max(top, o[0] + z[0])
+        rows.append(row.pack(*o, *z, top, j, st.file[e], st.offset[e], st.length[e]))
+    data = b"".join(rows)
+    start = offs[order[0]][0] if n and nd else 0
+    fence = _FENCE.pack(start, _crc32(data)) if n else b""
+    head = struct.pack(f"<{nd}q", *size) + _FENCE.pack(start, _crc32(fence))
+    return b"".join((head, _U32.pack(_crc32(head, ordinal)), fence, data))
+
+
 def _tensor_area(key: _Key, idx: list, st: _Storage, ordinal: int, area: int) -> bytes:
     """The key's area at body offset ``area`` (_Area)."""
     size = tuple(key.m.size)
@@ -383,10 +417,12 @@ def _tensor_area(key: _Key, idx: list, st: _Storage, ordinal: int, area: int) ->
     if (any(type(s) is not int or not 0 <= s <= _I64_MAX for s in size)
             or math.prod(size) >= 1 << 64):
         raise _Unrepresentable("a tensor size")
+    key.ndim = nd
+    key.nchunks = len(key.offs)
+    if key.nchunks <= min(_SMALL, _leaf_rows(_row_width(nd))):
+        return _small_area(key, size, idx, st, ordinal)
     data, starts = _chunk_rows(key, size, idx, st)
     n = len(starts)
-    key.ndim = nd
-    key.nchunks = n
     head_len, fence_at, fstride, rows_at, stride, end, nleaves, nfb = _Area(area, nd, n)
     w = _row_width(nd)
     per = _leaf_rows(w)
@@ -430,7 +466,8 @@ def build_body(metadata: Any) -> Optional[bytes]:
     entry; a value of another kind): the caller then writes no index."""
     try:
         return _build(metadata)
-    except (_Unrepresentable, TypeError, ValueError, OverflowError, AttributeError):
+    except (_Unrepresentable, TypeError, ValueError, OverflowError, AttributeError,
+            struct.error):
         return None
 
 
