@@ -143,6 +143,10 @@ def load_row(ranks: int, tensors: int, workdir: str, repeat: int) -> dict:
             "md_bytes": b_md, "md_ms": 1e3 * t_md}
 
 
+def _x(r: float) -> str:
+    return f"{r:.2f}x" if r < 10 else f"{r:.0f}x"
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e6 else f"{n / 1e3:.1f} kB"
 
@@ -204,8 +208,8 @@ def main(argv=None) -> None:
     for r in loads:
         lines.append(f"| {r['ranks']:,} | {r['tensors']} | {r['ranks'] * r['tensors']:,} | "
                      f"{_mb(r['ix_bytes'])} | {r['ix_ms']:.2f} ms | {_mb(r['md_bytes'])} | "
-                     f"{r['md_ms']:.2f} ms | {r['md_bytes'] / r['ix_bytes']:.0f}x | "
-                     f"{r['md_ms'] / r['ix_ms']:.1f}x |")
+                     f"{r['md_ms']:.2f} ms | {_x(r['md_bytes'] / r['ix_bytes'])} | "
+                     f"{_x(r['md_ms'] / r['ix_ms'])} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

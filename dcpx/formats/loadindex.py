@@ -5,10 +5,10 @@ layout: docs/format.md, "The load index").
 
 At R ranks an FSDP key is saved in R chunks, and ``.metadata`` holds every
 chunk of every key: 14 MB at 16,384 ranks x 6 tensors, read and decoded by
-every rank.  With the index a rank reads a few 4 KiB blocks per key (the
-key's row, found by bisection over the key table; the key's fence of chunk
-starts; the leaf of rows that meets its region) and does work in (its keys)
-x log(chunks per key).
+every rank.  With the index a rank reads about two 4 KiB blocks per key (its
+head and fence of chunk starts, the leaf of rows that meets its region;
+the key table, dtypes and file names are shared by its keys) and does work
+in (its keys) x log(chunks per key).
 
 ``build_body(metadata)`` makes the body on rank 0 at commit (None when the
 metadata holds anything the index cannot represent exactly: then no index
@@ -18,10 +18,10 @@ name the ``.metadata`` it was made for by that file's trailer, and
 ``_C.md_index_region`` answers from the decoded tables.
 
 Everything read is checked before it is used: the header by its CRC-32 and
-the ``.metadata`` trailer, each key row, fence entry, dtype and file row by
-its own CRC-32, each leaf of chunk rows (at most 4 KiB) by the CRC-32 its
-fence entry holds, names by theirs; every offset and length against the
-file's size; chunks inside their tensor, extents not negative, file names
+the ``.metadata`` trailer, each key row, key fence entry, key head, dtype
+and file row by its own CRC-32, each fence block and each leaf of chunk
+rows (at most 4 KiB) by the CRC-32 the level above holds, names by theirs;
+every offset and length against the file's size; chunks inside their tensor, extents not negative, file names
 plain, dtypes from an allow-list.  A problem found raises
 ``LoadIndexCorrupt`` naming the file (the caller plans from ``.metadata``
 instead); a crafted index that passes every check can describe another
