@@ -569,7 +569,7 @@ class DcpxProtocol:
         ``cell[0]`` gets the encoded middle a steady-state save reuses."""
         from dcpx.coordination import dist as _dist
         outcome, metadata = _dist._commit(writer, plan, gathered, None,
-                                          cell=[None, None] if cell is None else cell)
+                                          cell=[None, None, None] if cell is None else cell)
         if outcome[0] != "ok":
             raise RuntimeError(f"simulated commit: {outcome!r}")
         # the id of the save a steady-state save may repeat
@@ -580,7 +580,7 @@ class DcpxProtocol:
     def remember_steady(writer: Any, sent: Any, r: int, size: int, path: str, prefix: str,
                         layout_msg: tuple, outcome: tuple, plan: Any = None,
                         files: Optional[tuple] = None, middle: Optional[bytes] = None,
-                        source: Any = None) -> Any:
+                        source: Any = None, index: Any = None) -> Any:
         """Rank r's _Sent after a committed full exchange, holding its
         ``_Steady`` as ``_dist._gather_and_commit`` makes it (rank 0: the global
         plan, data files per rank and encoded middle; another rank: the
@@ -595,7 +595,7 @@ class DcpxProtocol:
                            None if r == 0 else outcome[1], plan if r == 0 else None,
                            files if r == 0 else None, middle if r == 0 else None,
                            _C.crc32(middle) if r == 0 and middle is not None else None,
-                           source if r == 0 else None)
+                           source if r == 0 else None, index if r == 0 else None)
         return sent._replace(steady=st)
 
     @staticmethod
@@ -624,7 +624,7 @@ class DcpxProtocol:
         """Rank 0's commit of a steady-state save: (outcome, Metadata)."""
         from dcpx.coordination import dist as _dist
         st = _dist._steady_for(sent, writer, path, _SimGroup(0, len(sent.steady.files)))
-        outcome, metadata, _ = _dist._commit_steady(writer, st, tag)
+        outcome, metadata, _, _ = _dist._commit_steady(writer, st, tag)
         if outcome[0] != "ok":
             raise RuntimeError(f"simulated steady commit: {outcome!r}")
         return outcome, metadata
@@ -736,7 +736,7 @@ def _dcpx_save(model: Model, directory: str, state: dict, profile: Any, repeat: 
     with prof:
         with ph("g2_decode"):
             gathered = [_loads(w) for w in wires3]
-        cell: list = [None, None]
+        cell: list = [None, None, None]
         with ph("commit"):
             outcome, _ = proto.commit(writer, plan, gathered, cell)
         with ph("b_encode"):
@@ -750,7 +750,7 @@ def _dcpx_save(model: Model, directory: str, state: dict, profile: Any, repeat: 
     # what rank 0 and rank k keep for a steady-state save after this one
     for r, oc in ((0, outcome), (other, outcome_k)):
         sents[r] = proto.remember_steady(writer, sents[r], r, R, path, own[r][0], own[r][1],
-                                         oc, plan, nfiles, cell[0], cell[1])
+                                         oc, plan, nfiles, cell[0], cell[1], cell[2])
     del plan
     writer._release_tag()
     return {"rank0": ph.as_dict(), "rank0_local": rank_ph[0].as_dict(),
@@ -1080,7 +1080,8 @@ def dcpx_load_rank(model: Model, r: int, directory: str, keep_reads: bool = Fals
                 # plan_reads, and the data files of its reads checked
                 # (before issue 28 item 4: every file, at open_checkpoint)
                 reads, _, serial = _dist.plan_checked(reader, ck, f, False)
-            decoder = "C (mdindex)" if ck.index is not None else "Python"
+            decoder = ("load index" if getattr(ck, "lidx", None) is not None
+                       else "C (mdindex)" if ck.index is not None else "Python")
     finally:
         _dist.local_chunk = real
     out = ph.as_dict()

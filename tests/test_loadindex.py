@@ -613,7 +613,7 @@ def test_forged_counts_and_lengths_allocate_nothing_large(tmp_path):
     data = path.read_bytes()
     huge = 2 ** 32 - 1
     for fields in ({"nkeys": huge}, {"nfiles": huge}, {"ndtypes": huge}, {"nbytes": huge},
-                   {"nkeys": 1000}, {"body_len": 2 ** 63}, {"version": 2}, {"r0": 1}):
+                   {"nkeys": 1000}, {"body_len": 2 ** 63}, {"version": 3}, {"r0": 1}):
         path.write_bytes(_forge_header(data, **fields))
         assert li.LoadIndex.open(tmp_path) is None, fields
     path.write_bytes(data)

@@ -312,9 +312,55 @@ def check_steady_metadata_is_copied_from_the_last_file(ctx):
         assert copied == 0 and written > 0, (copied, written)
 
 
+def check_a_load_index_is_written_and_used(ctx):
+    """With the load index's thresholds at their least, a full save writes
+    one beside .metadata and each steady-state save one for its own file
+    (the body reused); loads through it read no .metadata and are
+    bit-exact (and torch's, which ignores it: _save); a full save under
+    the default thresholds removes the last one."""
+    import dcpx
+    import torch.distributed as dist
+    from dcpx.coordination import dist as _dist
+    from dcpx.formats import loadindex as _li
+    from dcpx.storage.reader import FileSystemReader
+    _fresh()
+    r = ctx.rank
+    saved = (_dist.LOAD_INDEX_MIN_ENTRIES, _dist.LOAD_INDEX_MIN_PER_KEY)
+    real = FileSystemReader._read_metadata_file
+    reads = [0]
+
+    def counted(self, rank):
+        reads[0] += 1
+        return real(self, rank)
+    _dist.LOAD_INDEX_MIN_ENTRIES, _dist.LOAD_INDEX_MIN_PER_KEY = 1, 0
+    try:
+        for step, how in ((0, "full"), (1, "steady"), (2, "steady")):
+            path = ctx.path(f"i{step}")
+            assert _save(path, _state(r, step)) == how, step
+            idx = _li.LoadIndex.open(path)
+            assert idx is not None, step
+            idx.close()
+            FileSystemReader._read_metadata_file = counted
+            try:
+                reads[0] = 0
+                got = _zeros(_state(r, step))
+                dcpx.load(got, checkpoint_id=path)
+            finally:
+                FileSystemReader._read_metadata_file = real
+            assert reads[0] == 0, (step, reads[0])
+            _assert_loaded(got, _state(r, step), f"indexed {path}")
+    finally:
+        _dist.LOAD_INDEX_MIN_ENTRIES, _dist.LOAD_INDEX_MIN_PER_KEY = saved
+    _fresh()
+    assert _save(ctx.path("i2"), _state(r, 3)) == "full"
+    dist.barrier()
+    assert not os.path.exists(os.path.join(ctx.path("i2"), _li.INDEX_FN))
+
+
 CHECKS = [check_unchanged_plan_is_steady, check_changes_take_the_full_path,
           check_failed_steady_save_then_recovers,
-          check_steady_metadata_is_copied_from_the_last_file]
+          check_steady_metadata_is_copied_from_the_last_file,
+          check_a_load_index_is_written_and_used]
 
 
 @pytest.fixture(scope="module")
@@ -358,7 +404,7 @@ def test_a_writer_subclass_with_its_own_commit_gets_the_metadata_as_bytes(tmp_pa
         got.clear()
         w = cls(tmp_path / cls.__name__, sync_files=False)
         w.set_up_storage_writer(True, rank=0, use_collectives=True)
-        outcome, _, _ = _dist._commit_steady(w, st, w._tag())
+        outcome, _, _, _ = _dist._commit_steady(w, st, w._tag())
         w._release_tag()
         assert outcome[0] == "ok", outcome
         assert got == [want], (cls, got)

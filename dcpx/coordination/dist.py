@@ -56,9 +56,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .. import _C
-from ..formats import chunks as _chunks, metadata as _metadata
+from ..formats import chunks as _chunks, loadindex as _loadindex, metadata as _metadata
+from ..storage import commit as _commit_files
 from . import plan as _plan, readplan as _readplan
-from ..formats.files import DCP_VERSION, disagreeing_paths
+from ..formats.files import DCP_VERSION, _TAGGED_DATA_FILE, disagreeing_paths
 from .flatten import flatten_state_dict
 from .gcpause import paused_gc
 from ..formats.legacy import legacy_layout
@@ -547,7 +548,8 @@ def _gather_and_commit(writer: FileSystemWriter, g: _Group, gkey: tuple, sent: _
     gathered = g.gather(msg)
     outcome = None
     metadata = None
-    cell: list = [None, None]  # the encoded middle, the file that holds it
+    # the encoded middle, the file that holds it, the load index written
+    cell: list = [None, None, None]
     if g.is_coordinator:
         outcome, metadata = _commit(writer, plan, gathered, own, cell=cell)
         if outcome[0] == "ok":
@@ -579,7 +581,8 @@ def _gather_and_commit(writer: FileSystemWriter, g: _Group, gkey: tuple, sent: _
             else:
                 base = outcome[1]
             steady = _Steady(sid, _steady_key(sid, path, config), path, config, len(names),
-                             layout, tag, base, known, files, middle, crc, cell[1])
+                             layout, tag, base, known, files, middle, crc, cell[1],
+                             cell[2] if g.is_coordinator else None)
     if sent is not None:
         _remember_sent(gkey, sent._replace(steady=steady))
     if metadata is None:
@@ -634,6 +637,7 @@ class _Steady(NamedTuple):
     middle: Optional[bytes]         # rank 0: the encoded middle
     middle_crc: Optional[int] = None        # rank 0: its CRC-32
     source: Optional[_metadata.FileRegion] = None  # rank 0: a file that holds it
+    index: Optional[tuple] = None   # rank 0: the load index's (body, CRC-32, FileRegion)
 
 
 def _writer_config(writer: FileSystemWriter) -> tuple:
@@ -728,7 +732,7 @@ def _save_steady(writer: FileSystemWriter, g: _Group, gkey: tuple, items: list,
     outcome = None
     metadata = None
     if g.is_coordinator:
-        outcome, metadata, source = _commit_steady(writer, st, tag)
+        outcome, metadata, source, index = _commit_steady(writer, st, tag)
     outcome = g.broadcast(outcome)
     if outcome[0] != "ok":
         if outcome[0] == "err":
@@ -736,7 +740,7 @@ def _save_steady(writer: FileSystemWriter, g: _Group, gkey: tuple, items: list,
         _remember_sent(gkey, sent._replace(steady=None))
         _raise_remote("save", outcome[1], own, writer.path)
     if g.is_coordinator:  # the next save copies the middle from this file
-        _remember_sent(gkey, sent._replace(steady=st._replace(source=source)))
+        _remember_sent(gkey, sent._replace(steady=st._replace(source=source, index=index)))
     STEADY_SAVES[0] += 1
     if metadata is None:
         metadata = _LazyMetadata(st.base, str(writer.path / _metadata.METADATA_FN),
@@ -765,14 +769,15 @@ def _commit_steady(writer: FileSystemWriter, st: _Steady, tag: str) -> tuple:
         metadata = _LazyMetadata(data, str(writer.path / _metadata.METADATA_FN),
                                  files=frozenset(names))
     except Exception as e:
-        return ("err", [_failure(0, e)[1]]), None, None
+        return ("err", [_failure(0, e)[1]]), None, None, None
     try:
         # a subclass's own commit gets bytes, as it always did
         own_commit = type(writer).commit is FileSystemWriter.commit
         written = writer.commit(metadata, data if own_commit else bytes(data))
     except Exception as e:
-        return ("unknown", [f"rank 0: commit: {type(e).__name__}: {e}"]), None, None
-    return ("ok", storage_meta), metadata, _middle_source(writer, written, len(data.pre))
+        return ("unknown", [f"rank 0: commit: {type(e).__name__}: {e}"]), None, None, None
+    index = _steady_load_index(writer, st, data, tag) if own_commit else None
+    return ("ok", storage_meta), metadata, _middle_source(writer, written, len(data.pre)), index
 
 
 # ------------------------------------------------------------ plan exchange
@@ -999,8 +1004,9 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
     means nothing was committed; ``("unknown", ...)`` that the commit failed
     after the metadata may have become visible.  dcpx's own encoder writes
     the split form (dcpx.formats.metadata.split_dumps), and ``cell``
-    ([None, None]) gets its reusable middle (None if there is none) and
-    where the committed file holds it (_middle_source)."""
+    ([None, None, None]) gets its reusable middle (None if there is none),
+    where the committed file holds it (_middle_source), and the load index
+    written beside it (_write_load_index)."""
     errors = [m[1] for m in gathered if m[0] != "ok"]
     if errors or plan is None:
         return ("err", errors or ["planning failed"]), None
@@ -1034,7 +1040,87 @@ def _commit(writer: FileSystemWriter, plan: Optional[GlobalPlan], gathered: list
         return ("unknown", [f"rank {rank}: commit: {type(e).__name__}: {e}"]), None
     if cell is not None and cell[0] is not None:
         cell[1] = _middle_source(writer, written, at)
+    index = _write_load_index(writer, metadata, data)
+    if cell is not None:
+        cell[2] = index
     return ("ok", data), metadata
+
+
+#: a full save writes a load index (docs/format.md, "The load index") when
+#: its metadata has at least this many storage entries, at least
+#: LOAD_INDEX_MIN_PER_KEY per key on average (a save sharded over many
+#: ranks: below that, every rank decodes little, and a load of whole
+#: tensors keeps the C direct plan)
+LOAD_INDEX_MIN_ENTRIES = 65536
+LOAD_INDEX_MIN_PER_KEY = 4
+
+
+def _trailer(data: Any) -> Optional[tuple]:
+    """(crc, length) of the dcpx trailer that ends an encoded .metadata."""
+    tail = bytes(data.post if isinstance(data, _metadata.Spliced) else data)
+    tail = tail[-_metadata._TRAILER.size:]
+    if len(tail) != _metadata._TRAILER.size:
+        return None
+    magic, crc, n = _metadata._TRAILER.unpack(tail)
+    return (crc, n) if magic == _metadata._TRAILER_MAGIC else None
+
+
+def _write_load_index(writer: FileSystemWriter, metadata: Metadata, data: Any) -> Optional[tuple]:
+    """Rank 0, once its .metadata is committed: the load index beside it,
+    or the last one removed.  (body, its CRC-32, FileRegion of the file
+    written) for the next steady-state save, or None.  The checkpoint is
+    committed already: a failure here leaves no index (loads read
+    .metadata), never a failed save."""
+    if type(writer).commit is not FileSystemWriter.commit:
+        return None  # a writer with its own commit: its files are its own
+    n = len(metadata.storage_data)
+    body = None
+    trailer = _trailer(data)
+    tag = None
+    if (trailer is not None and n >= LOAD_INDEX_MIN_ENTRIES
+            and n >= LOAD_INDEX_MIN_PER_KEY * max(1, len(metadata.state_dict_metadata))):
+        # the save's tag in its data file names (one tag in all of them):
+        # the body holds a hole there, so that a steady-state save reuses it
+        tags = {m.group(1) if m else None for m in map(
+            _TAGGED_DATA_FILE.match, {i.relative_path for i in metadata.storage_data.values()})}
+        tag = tags.pop() if len(tags) == 1 else None
+        body = _loadindex.build_body(metadata, tag)
+    try:
+        if body is None:
+            _commit_files.remove_index(writer.path)
+            return None
+        crc = _C.crc32(body)
+        data = _metadata.Spliced(_loadindex.header(body, trailer[0], trailer[1], crc, tag), body,
+                                 b"", None)
+        written = _commit_files.write_index(writer.path, writer.save_id, data,
+                                            bool(writer.sync_files))
+    except OSError:
+        return None
+    if tag is None:
+        return None  # its file names are its own: no steady-state save reuses it
+    return body, crc, _metadata.FileRegion(str(writer.path / _loadindex.INDEX_FN),
+                                           _loadindex.HEADER_LEN, written)
+
+
+def _steady_load_index(writer: FileSystemWriter, st: _Steady, data: Any,
+                       tag: str) -> Optional[tuple]:
+    """The load index of a steady-state save: the last one's body (copied
+    from its file where the file system can; its data file names hold a
+    hole for the tag) under a header for this save's .metadata and tag."""
+    trailer = _trailer(data)
+    try:
+        if st.index is None or trailer is None:
+            _commit_files.remove_index(writer.path)
+            return None
+        body, crc, source = st.index
+        spliced = _metadata.Spliced(_loadindex.header(body, trailer[0], trailer[1], crc, tag),
+                                    body, b"", source)
+        written = _commit_files.write_index(writer.path, writer.save_id, spliced,
+                                            bool(writer.sync_files))
+    except OSError:
+        return None
+    return body, crc, _metadata.FileRegion(str(writer.path / _loadindex.INDEX_FN),
+                                           _loadindex.HEADER_LEN, written)
 
 
 def _middle_source(writer: FileSystemWriter, written: Any,
@@ -1339,8 +1425,15 @@ def region_metadata(ck: _readplan.Checkpoint, flat: dict) -> Optional[Metadata]:
     objects for the few it reads, not for every chunk of every key (issue
     28 item 4).  None when ``ck`` has no tables or its Metadata is decoded
     already: plan from ``ck.metadata``."""
-    if ck.index is None or ck.decoded:
+    if not ck.regions:
         return None
+    try:
+        return _region_metadata(ck, flat)
+    except _readplan.Demoted:  # the load index was damaged: from .metadata
+        return region_metadata(ck, flat)
+
+
+def _region_metadata(ck: _readplan.Checkpoint, flat: dict) -> Metadata:
     sdm: dict = {}
     storage: dict = {}
     for fqn, obj in flat.items():

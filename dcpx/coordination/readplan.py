@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from .. import _C
 from ..formats import entries as _entries, metadata as _metadata, safetensors as _st
+from ..formats import loadindex as _loadindex
 from ..formats.safetensors import is_raw
 from ..formats.dtypes import _TO_DLPACK, _needs_int_view, storage_type_name
 
@@ -105,7 +106,8 @@ class Checkpoint:
     one."""
 
     __slots__ = ("ident", "raw", "where", "_md", "files", "plans", "no_plan", "byte_index",
-                 "whole_index", "no_direct", "index", "_nkeys", "names", "lazy", "_by_file")
+                 "whole_index", "no_direct", "index", "_nkeys", "names", "lazy", "_by_file",
+                 "lidx", "_demote", "extents")
 
     def __init__(self, ident: Optional[tuple], raw: bytes, metadata: Optional[Metadata],
                  files: dict, where: str = "", index: Any = None,
@@ -129,10 +131,19 @@ class Checkpoint:
         # then no Metadata object is made unless something asks for one.
         self.index = index
         self._nkeys: Optional[int] = None
+        # The load index (formats/loadindex.py) when the checkpoint was
+        # opened through it: .metadata is not read until something needs
+        # more than the index answers (demote).  extents: per data file,
+        # the end of the furthest extent looked up (need_files checks it).
+        self.lidx: Any = None
+        self._demote: Any = None
+        self.extents: dict = {}
 
     def key_count(self) -> int:
         """How many keys the checkpoint holds (without decoding the
         Metadata again once it was released: call it before a load)."""
+        if self.lidx is not None:
+            return self.lidx.key_count()
         n = self._nkeys
         if n is None:
             if self._md is None and self.index is not None:
@@ -144,6 +155,11 @@ class Checkpoint:
 
     def keys(self) -> set:
         """Every key of the checkpoint (decoded for this call only)."""
+        if self.lidx is not None:
+            try:
+                return self.lidx.keys()
+            except _loadindex.LoadIndexCorrupt:
+                self.demote()
         md = self._md if self._md is not None else _metadata.loads(
             self.raw, self.where, indexed=self.index is not None)
         return set(md.state_dict_metadata)
@@ -155,6 +171,8 @@ class Checkpoint:
 
     @property
     def metadata(self) -> Metadata:
+        if self.lidx is not None:
+            self.demote()
         md = self._md
         if md is None:  # the same bytes, checked when first cached
             md = self._md = _metadata.loads(self.raw, self.where,
@@ -202,6 +220,23 @@ class Checkpoint:
         return Metadata(state_dict_metadata=self.metadata.state_dict_metadata,
                         storage_data=storage)
 
+    @property
+    def regions(self) -> bool:
+        """Whether ``region`` answers (the load index, or the C tables
+        while the Metadata is not decoded)."""
+        return self.lidx is not None or (self.index is not None and self._md is None)
+
+    def demote(self) -> None:
+        """Read and check ``.metadata`` now, as a checkpoint opened without
+        the load index is (the index found damaged, or something asked for
+        more than it answers), and take that state in place."""
+        fn, self._demote = self._demote, None
+        idx, self.lidx = self.lidx, None
+        if idx is not None:
+            idx.close()
+        if fn is not None:
+            fn(self)
+
     def region(self, fqn: str, region: Optional[tuple]) -> Any:
         """Key ``fqn`` as one rank's plan needs it, from the C decoder's
         tables (``_C.md_index_region``): None (no such key), () (a
@@ -209,19 +244,48 @@ class Checkpoint:
         saved chunks that meet ``region`` ((offsets, sizes); None: no
         chunks).  Raises LookupError without tables, or once the
         ``Metadata`` was decoded (plan from it then)."""
+        if self.lidx is not None:
+            try:
+                got = self.lidx.region(fqn, region)
+            except _loadindex.LoadIndexCorrupt:
+                self.demote()
+                raise Demoted() from None
+            if got:
+                self._extents(got[3])
+            return got
         if self.index is None or self._md is not None:
             raise LookupError("dcpx: no C tables to look a region up in")
         return _C.md_index_region(self.index, fqn, region, ChunkStorageMetadata, torch.Size,
                                   _StorageInfo)
 
+    def _extents(self, infos) -> None:
+        ends = self.extents
+        for info in infos:
+            if info is not None:
+                end = info.offset + info.length
+                if end > ends.get(info.relative_path, -1):
+                    ends[info.relative_path] = end
+
     def byte_info(self) -> dict:
         """fqn -> storage info of every non-tensor value."""
+        if self.byte_index is None and self.lidx is not None:
+            try:
+                self.byte_index = self.lidx.byte_info()
+                self._extents(self.byte_index.values())
+            except _loadindex.LoadIndexCorrupt:
+                self.demote()
         if self.byte_index is None and self.index is not None:
             self.byte_index = _C.md_index_bytes(self.index, _StorageInfo)
         if self.byte_index is None:
             self.byte_index = {k.fqn: v for k, v in self.metadata.storage_data.items()
                                if k.offset is None}
         return self.byte_index
+
+
+class Demoted(Exception):
+    """A region lookup found the load index damaged: the checkpoint now
+    answers from ``.metadata``; what was looked up so far is looked up
+    again."""
 
 
 def _file_ident(st: os.stat_result) -> tuple:
@@ -238,10 +302,16 @@ def _files_unchanged(directory, files: dict) -> bool:
     return True
 
 
-def checkpoint(reader, rank: Optional[int] = None) -> Checkpoint:
+def checkpoint(reader, rank: Optional[int] = None, use_index: bool = True) -> Checkpoint:
     """The checkpoint ``reader`` points at (its ``__{rank}.metadata`` when
     rank is given), checked as ``read_metadata`` + ``set_up_storage_reader``
-    check it: from the cache when its files are unchanged."""
+    check it: from the cache when its files are unchanged.  With a load
+    index made for its ``.metadata`` (formats/loadindex.py), that file is
+    not read until something needs more than the index answers."""
+    if rank is None and use_index:
+        ck = _from_load_index(reader)
+        if ck is not None:
+            return ck
     path, raw, st = reader._read_metadata_file(rank)
     ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     key = str(path)
@@ -265,6 +335,34 @@ def checkpoint(reader, rank: Optional[int] = None) -> Checkpoint:
         _remember(key, ck)
         return ck
     return _general(reader, raw, md, key, ident)
+
+
+def _from_load_index(reader) -> Optional[Checkpoint]:
+    """The checkpoint as its load index answers, or None (no index, or
+    not one made for this ``.metadata``: the caller reads ``.metadata``).
+    Not cached (the index is opened again by each load: its header and
+    the trailer of ``.metadata``), and planned by ``plan_reads`` on every
+    load (no_plan: the direct plan needs the C tables)."""
+    try:
+        idx = _loadindex.LoadIndex.open(reader.path)
+    except OSError:
+        return None  # no .metadata: the caller raises what it raises
+    if idx is None:
+        return None
+    ck = Checkpoint(None, b"", None, {}, str(reader.path / _metadata.METADATA_FN), lazy=True)
+    ck.lidx = idx
+    ck.no_plan = True
+
+    def demote(ck: Checkpoint) -> None:
+        fresh = checkpoint(reader, None, use_index=False)
+        for name in ("raw", "_md", "index", "names", "lazy", "no_plan"):
+            setattr(ck, name, getattr(fresh, name))
+        ck.files = dict(fresh.files)
+        ck.byte_index = ck.whole_index = ck._by_file = None
+        ck._nkeys = None
+        reader._set_up_cached(ck, reader.rank, reader.use_collectives)
+    ck._demote = demote
+    return ck
 
 
 def _general(reader, raw: bytes, md: Metadata, key: str, ident: Optional[tuple]) -> Checkpoint:
@@ -325,6 +423,27 @@ def need_files(reader, ck: Checkpoint, names) -> bool:
     todo = [n for n in dict.fromkeys(names) if n not in ck.files]
     if not ck.lazy or not todo:
         return True
+    if ck.lidx is not None:
+        stats = {}
+        for name in todo:
+            try:
+                st = os.lstat(reader.path / name)
+            except OSError:
+                break
+            if not stat.S_ISREG(st.st_mode) or st.st_size < ck.extents.get(name, 0):
+                break
+            stats[name] = st
+        else:
+            if _entries.plain_zip_files(reader.path, todo, [stats[n].st_size for n in todo]):
+                for name in todo:
+                    ck.files[name] = _file_ident(stats[name])
+                return True
+        # a file missing, not regular, too short or not TORCH_SAVE: the
+        # checks of .metadata say what is wrong, and what was planned from
+        # the index is planned again
+        ck.demote()
+        need_files(reader, ck, names)
+        return False
     if ck.index is None:
         stats: dict = {}
         reader._validate_storage(ck.entries_in(todo), stats=stats)

@@ -120,6 +120,14 @@ def _dtype_table() -> tuple:
 _DTYPES, _DTYPE_NAMES = _dtype_table()
 
 
+#: dcpx's data files carry the save's tag (``__{rank}_{tag}_{i}.distcp``,
+#: 16 hex digits, new per save).  A body built with ``tag`` holds the names
+#: with it replaced by this hole, and the header (version 2) holds the tag:
+#: a later save of the same layout reuses the body under its own header.
+_HOLE = "?" * 16
+_TAGGED = 2     # the header's version for a body with tag holes
+
+
 def _name_ok(name: str) -> bool:
     """A data file name as dcpx checks one: plain, inside the directory."""
     return (bool(name) and "/" not in name and "\\" not in name and "\0" not in name
@@ -233,7 +241,7 @@ class _Storage:
     position hint (``MetadataIndex.index``), its file number, offset and
     length (entry -1: the sentinel of a chunk without an entry)."""
 
-    def __init__(self, storage_data: dict) -> None:
+    def __init__(self, storage_data: dict, tag: Optional[str] = None) -> None:
         keys = list(storage_data)
         infos = list(storage_data.values())
         n = self.n = len(infos)
@@ -242,11 +250,19 @@ class _Storage:
         paths = _column(infos, "relative_path")
         names = dict.fromkeys(paths)
         for name in names:
-            if type(name) is not str or not _name_ok(name):
+            if type(name) is not str or not _name_ok(name) or _HOLE in name:
                 raise _Unrepresentable(f"data file name {name!r}")
         self.files = list(names)
+        if tag is not None:
+            if len(tag) != 16 or not all(c in "0123456789abcdef" for c in tag):
+                raise _Unrepresentable(f"a save tag {tag!r}")
+            mark = f"_{tag}_"
+            if not all(name.count(mark) == 1 for name in self.files):
+                raise _Unrepresentable("a data file name without the save's tag")
         # file numbers from 1 (0: no storage entry, the sentinel at -1)
         number = dict(zip(self.files, range(1, len(self.files) + 1)))
+        if tag is not None:
+            self.files = [name.replace(mark, f"_{_HOLE}_") for name in self.files]
         self.file = list(map(number.__getitem__, paths))
         self.offset = _column(infos, "offset")
         self.length = _column(infos, "length")
@@ -456,7 +472,7 @@ def _tensor_area(key: _Key, idx: list, st: _Storage, ordinal: int, area: int) ->
     return out
 
 
-def build_body(metadata: Any) -> Optional[bytes]:
+def build_body(metadata: Any, tag: Optional[str] = None) -> Optional[bytes]:
     """The index body of ``metadata`` (a torch ``Metadata``), or None when
     it holds anything the index cannot represent exactly (a storage entry
     with transform descriptors, or whose key is not in
@@ -465,15 +481,15 @@ def build_body(metadata: Any) -> Optional[bytes]:
     chunks at one offset; a non-tensor value without exactly one storage
     entry; a value of another kind): the caller then writes no index."""
     try:
-        return _build(metadata)
+        return _build(metadata, tag)
     except (_Unrepresentable, TypeError, ValueError, OverflowError, AttributeError,
             struct.error):
         return None
 
 
-def _build(metadata: Any) -> bytes:
+def _build(metadata: Any, tag: Optional[str] = None) -> bytes:
     sdm = metadata.state_dict_metadata
-    st = _Storage(metadata.storage_data)
+    st = _Storage(metadata.storage_data, tag)
     if not all(map(sdm.__contains__, st.fqns)):
         raise _Unrepresentable("a storage entry of no key")
     keys: list = []
@@ -574,17 +590,27 @@ def _assemble(keys: list, dtypes: list, files: list, nbytes: int, areas: list,
                      byte_rows] + areas + heap)
 
 
-def header(body: bytes, md_crc: int, md_len: int) -> bytes:
+def header(body: bytes, md_crc: int, md_len: int, body_crc: Optional[int] = None,
+           tag: Optional[str] = None) -> bytes:
     """The 64 bytes before ``body`` in the file: the index is for the
-    ``.metadata`` whose trailer holds (md_crc, md_len)."""
+    ``.metadata`` whose trailer holds (md_crc, md_len).  ``body_crc``: the
+    body's CRC-32 when the caller has it (a steady-state save reuses the
+    body).  ``tag``: the save's tag, for a body built with one (its data
+    file names have a hole where the tag goes)."""
     if len(body) < _HEAD_LEN:
         raise ValueError("dcpx: not a load index body")
     magic, nkeys, ndtypes, nfiles, nbytes, _ = _HEAD.unpack_from(body)
     (crc,) = _U32.unpack_from(body, _HEAD.size)
     if magic != _BODY_MAGIC or crc != _crc32(memoryview(body)[:_HEAD.size]):
         raise ValueError("dcpx: not a load index body")
-    hdr = _HDR.pack(_MAGIC, _VERSION, md_crc, md_len, len(body), _crc32(body), nkeys, ndtypes,
-                    nfiles, nbytes, 0, 0)
+    if body_crc is None:
+        body_crc = _crc32(body)
+    version, r0, r1 = _VERSION, 0, 0
+    if tag is not None:
+        version = _TAGGED
+        r0, r1 = _II.unpack(bytes.fromhex(tag))
+    hdr = _HDR.pack(_MAGIC, version, md_crc, md_len, len(body), body_crc, nkeys, ndtypes,
+                    nfiles, nbytes, r0, r1)
     return hdr + _U32.pack(_crc32(hdr))
 
 
@@ -716,6 +742,7 @@ class LoadIndex:
         self._bytes_at = self._files_at + _FILE_W * nfiles
         self._fixed_end = self._bytes_at + _BYTES_W * nbytes
         self._file_names: dict = {}
+        self._tag: Optional[str] = None   # the save's tag, for the names' holes
         self._dtype_objs: dict = {}
         self._rows: dict = {}      # key rows checked
 
@@ -744,7 +771,7 @@ class LoadIndex:
                 hdr = cls._header(fd, size)
                 if hdr is None:
                     return None
-                md_crc, md_len, body_len, nkeys, ndtypes, nfiles, nbytes = hdr
+                md_crc, md_len, body_len, nkeys, ndtypes, nfiles, nbytes, tag = hdr
                 try:
                     trailer = _md_trailer(dfd)
                 except FileNotFoundError:
@@ -754,7 +781,9 @@ class LoadIndex:
                 if trailer != (md_crc, md_len):
                     return None
                 keep = True
-                return cls(_Blocks(fd, size, path), nkeys, ndtypes, nfiles, nbytes, body_len)
+                ix = cls(_Blocks(fd, size, path), nkeys, ndtypes, nfiles, nbytes, body_len)
+                ix._tag = tag
+                return ix
             finally:
                 if not keep:
                     os.close(fd)
@@ -774,11 +803,13 @@ class LoadIndex:
         (magic, version, md_crc, md_len, body_len, _body_crc, nkeys, ndtypes, nfiles, nbytes,
          r0, r1) = _HDR.unpack_from(raw)
         (crc,) = _U32.unpack_from(raw, _HDR.size)
-        if (magic != _MAGIC or version != _VERSION or crc != _crc32(raw[:_HDR.size])
-                or r0 or r1 or body_len != size - HEADER_LEN or nbytes > nkeys
-                or _fixed_end(nkeys, ndtypes, nfiles, nbytes) > body_len):
+        if (magic != _MAGIC or version not in (_VERSION, _TAGGED)
+                or crc != _crc32(raw[:_HDR.size])
+                or (version == _VERSION and (r0 or r1)) or body_len != size - HEADER_LEN
+                or nbytes > nkeys or _fixed_end(nkeys, ndtypes, nfiles, nbytes) > body_len):
             return None
-        return md_crc, md_len, body_len, nkeys, ndtypes, nfiles, nbytes
+        tag = _II.pack(r0, r1).hex() if version == _TAGGED else None
+        return md_crc, md_len, body_len, nkeys, ndtypes, nfiles, nbytes, tag
 
     def close(self) -> None:
         fd, self._b.fd = self._b.fd, -1
@@ -911,7 +942,12 @@ class LoadIndex:
                 name = self._name(off, n, crc).decode("utf-8")
             except UnicodeDecodeError:
                 raise self._bad(f"file {i}'s name") from None
-            if not _name_ok(name):
+            if self._tag is not None:
+                hole = f"_{_HOLE}_"
+                if name.count(hole) != 1:
+                    raise self._bad(f"data file name {name!r} (no place for the save's tag)")
+                name = name.replace(hole, f"_{self._tag}_")
+            if not _name_ok(name) or _HOLE in name:
                 raise self._bad(f"data file name {name!r}")
             self._file_names[i] = name
         return name

@@ -26,6 +26,7 @@ from typing import Any, Optional, Protocol
 from torch.distributed.checkpoint.metadata import Metadata
 
 from . import locks as _locks
+from ..formats.loadindex import INDEX_FN
 from ..formats.metadata import Spliced
 from ..formats.files import (
     METADATA_FN, _DATA_FILE, _RANK_METADATA, _TAGGED_DATA_FILE, _TMP_METADATA, _fsync_dir,
@@ -185,6 +186,43 @@ def commit(self: Committing, metadata: Metadata, data: Any = None) -> tuple:
     finally:
         self._release_tag()
     return written
+
+def write_index(directory: Path, save_id: str, data: Any, sync: bool) -> tuple:
+    """Write the load index (bytes, or a Spliced whose middle may be
+    copied from an earlier index) beside ``.metadata``: a temporary name
+    first (one the stale-temporary cleanup removes), renamed over the old
+    index.  Returns the file's identity.  Written after ``.metadata``: an
+    index is used only beside the ``.metadata`` whose trailer it names, so
+    any crash leaves either a matching pair or an index that is ignored."""
+    final = Path(directory) / INDEX_FN
+    tmp = final.with_name(f"{METADATA_FN}.tmp.{save_id}.index")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            _write_metadata(fd, data)
+            if sync:
+                os.fsync(fd)
+            written = _identity(os.fstat(fd))
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return written
+
+
+def remove_index(directory: Path) -> None:
+    """A save that writes no load index removes the last one (it would be
+    ignored, being made for another ``.metadata``, but it takes space)."""
+    try:
+        os.unlink(Path(directory) / INDEX_FN)
+    except FileNotFoundError:
+        pass
+
 
 def discard_own(self: Committing) -> None:
     """Remove every data file of this save (all ranks'): it will not be
