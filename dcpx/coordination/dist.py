@@ -1085,21 +1085,9 @@ def _write_load_index(writer: FileSystemWriter, metadata: Metadata, data: Any) -
             _TAGGED_DATA_FILE.match, {i.relative_path for i in metadata.storage_data.values()})}
         tag = tags.pop() if len(tags) == 1 else None
         body = _loadindex.build_body(metadata, tag)
-    try:
-        if body is None:
-            _commit_files.remove_index(writer.path)
-            return None
-        crc = _C.crc32(body)
-        data = _metadata.Spliced(_loadindex.header(body, trailer[0], trailer[1], crc, tag), body,
-                                 b"", None)
-        written = _commit_files.write_index(writer.path, writer.save_id, data,
-                                            bool(writer.sync_files))
-    except OSError:
-        return None
-    if tag is None:
-        return None  # its file names are its own: no steady-state save reuses it
-    return body, crc, _metadata.FileRegion(str(writer.path / _loadindex.INDEX_FN),
-                                           _loadindex.HEADER_LEN, written)
+    kept = _put_load_index(writer, body, None, trailer, tag, None)
+    # a body without a tag names its own files: no steady-state save reuses it
+    return kept if tag is not None else None
 
 
 def _steady_load_index(writer: FileSystemWriter, st: _Steady, data: Any,
@@ -1107,15 +1095,27 @@ def _steady_load_index(writer: FileSystemWriter, st: _Steady, data: Any,
     """The load index of a steady-state save: the last one's body (copied
     from its file where the file system can; its data file names hold a
     hole for the tag) under a header for this save's .metadata and tag."""
-    trailer = _trailer(data)
+    body, crc, source = st.index if st.index is not None else (None, None, None)
+    return _put_load_index(writer, body, crc, _trailer(data), tag, source)
+
+
+def _put_load_index(writer: FileSystemWriter, body: Optional[bytes], crc: Optional[int],
+                    trailer: Optional[tuple], tag: Optional[str],
+                    source: Optional[_metadata.FileRegion]) -> Optional[tuple]:
+    """Write ``body`` (copied from ``source`` where it can be) under a
+    header for the .metadata of ``trailer`` and the save's ``tag``, or,
+    without a body or a trailer, remove the last index.  (body, its
+    CRC-32, FileRegion of the file written), or None (also when writing
+    failed: loads read .metadata)."""
     try:
-        if st.index is None or trailer is None:
+        if body is None or trailer is None:
             _commit_files.remove_index(writer.path)
             return None
-        body, crc, source = st.index
-        spliced = _metadata.Spliced(_loadindex.header(body, trailer[0], trailer[1], crc, tag),
-                                    body, b"", source)
-        written = _commit_files.write_index(writer.path, writer.save_id, spliced,
+        if crc is None:
+            crc = _C.crc32(body)
+        data = _metadata.Spliced(_loadindex.header(body, trailer[0], trailer[1], crc, tag), body,
+                                 b"", source)
+        written = _commit_files.write_index(writer.path, writer.save_id, data,
                                             bool(writer.sync_files))
     except OSError:
         return None
